@@ -7,5 +7,8 @@ import rlfleet.weightsync
 
 
 def test_all_packages_import_together() -> None:
-    versions = {m.__name__: m.__version__ for m in (rlfleet.routing, rlfleet.placement, rlfleet.weightsync, rlfleet.policygroup)}
+    versions = {
+        m.__name__: m.__version__
+        for m in (rlfleet.routing, rlfleet.placement, rlfleet.weightsync, rlfleet.policygroup)
+    }
     assert all(v for v in versions.values())

@@ -9,7 +9,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_version_is_exposed() -> None:
-    assert rlfleet.policygroup.__version__ == importlib.import_module("rlfleet.policygroup.__about__").__version__
+    assert (
+        rlfleet.policygroup.__version__
+        == importlib.import_module("rlfleet.policygroup.__about__").__version__
+    )
 
 
 def test_rlfleet_is_an_implicit_namespace_in_every_package() -> None:

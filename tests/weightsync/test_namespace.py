@@ -9,7 +9,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_version_is_exposed() -> None:
-    assert rlfleet.weightsync.__version__ == importlib.import_module("rlfleet.weightsync.__about__").__version__
+    assert (
+        rlfleet.weightsync.__version__ == importlib.import_module("rlfleet.weightsync.__about__").__version__
+    )
 
 
 def test_rlfleet_is_an_implicit_namespace_in_every_package() -> None:

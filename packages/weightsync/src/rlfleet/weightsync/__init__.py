@@ -1,5 +1,60 @@
-"""rlfleet.weightsync: Bucketed, versioned, atomic weight sync from trainers to rollout workers over shared memory, gloo, CUDA IPC and NCCL."""
+"""rlfleet.weightsync: bucketed, versioned, atomic weight sync from trainers to rollout workers."""
 
 from rlfleet.weightsync.__about__ import __version__
+from rlfleet.weightsync._dtypes import DTYPES, dtype_from_name, dtype_name
+from rlfleet.weightsync._errors import (
+    ChecksumMismatchError,
+    IncompleteSyncError,
+    LayoutMismatchError,
+    MetadataError,
+    PeerLostError,
+    SyncAbortedError,
+    SyncTimeoutError,
+    VersionError,
+    WeightSyncError,
+)
+from rlfleet.weightsync._integrity import bucket_checksum, checksum, compare_fingerprints, fingerprint
+from rlfleet.weightsync._layout import ALIGNMENT, DEFAULT_BUCKET_BYTES, BucketSpec, Layout, TensorSpec
+from rlfleet.weightsync._packing import (
+    bucket_starts,
+    bucket_views,
+    flat_views,
+    pack_all,
+    pack_bucket,
+    typed_view,
+    unpack_bucket_into,
+)
+from rlfleet.weightsync._protocol import BucketConsumer
 
-__all__ = ["__version__"]
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_BUCKET_BYTES",
+    "DTYPES",
+    "BucketConsumer",
+    "BucketSpec",
+    "ChecksumMismatchError",
+    "IncompleteSyncError",
+    "Layout",
+    "LayoutMismatchError",
+    "MetadataError",
+    "PeerLostError",
+    "SyncAbortedError",
+    "SyncTimeoutError",
+    "TensorSpec",
+    "VersionError",
+    "WeightSyncError",
+    "__version__",
+    "bucket_checksum",
+    "bucket_starts",
+    "bucket_views",
+    "checksum",
+    "compare_fingerprints",
+    "dtype_from_name",
+    "dtype_name",
+    "fingerprint",
+    "flat_views",
+    "pack_all",
+    "pack_bucket",
+    "typed_view",
+    "unpack_bucket_into",
+]

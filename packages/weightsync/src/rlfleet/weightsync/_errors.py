@@ -1,0 +1,51 @@
+"""Errors a weight sync can end in.
+
+Every failure is a `WeightSyncError`; the subclass says what went wrong so a caller can
+decide whether to retry. Whatever the error, the receiver's previous version stays applied.
+"""
+
+from __future__ import annotations
+
+
+class WeightSyncError(RuntimeError):
+    """Base class: the sync did not complete and nothing new was applied."""
+
+
+class LayoutMismatchError(WeightSyncError):
+    """Sender and receiver disagree about a parameter (name, shape or dtype)."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
+class MetadataError(WeightSyncError, ValueError):
+    """Metadata received from a peer is malformed, oversized or inconsistent."""
+
+
+class ChecksumMismatchError(WeightSyncError):
+    """A bucket's bytes do not match the checksum its sender computed."""
+
+    def __init__(self, message: str, bucket: int | None = None) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+
+
+class IncompleteSyncError(WeightSyncError):
+    """Commit was requested before every bucket of the version arrived."""
+
+
+class SyncTimeoutError(WeightSyncError, TimeoutError):
+    """A blocking step passed its deadline."""
+
+
+class SyncAbortedError(WeightSyncError):
+    """The sync was aborted (by a watchdog, by the sender, or by the caller)."""
+
+
+class PeerLostError(WeightSyncError):
+    """A peer process of the sync died or disconnected."""
+
+
+class VersionError(WeightSyncError):
+    """A version arrived out of order (not newer than the applied one)."""

@@ -1,0 +1,287 @@
+"""The layout of a model's weights in transfer buckets, computed once per model.
+
+Sender and receivers derive the same layout from the same (name, shape, dtype) list, so the
+only metadata a sync carries is that list, as plain JSON, and a digest both sides compare.
+Tensors sit at 512-byte-aligned offsets (safe for every dtype view and for GPU copies);
+buckets are capped at ``bucket_bytes``; a tensor larger than the cap gets a bucket alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from rlfleet.weightsync._dtypes import dtype_from_name, dtype_name
+from rlfleet.weightsync._errors import LayoutMismatchError, MetadataError
+
+ALIGNMENT = 512
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+LAYOUT_FORMAT = 1
+
+# Bounds on metadata decoded from a peer: generous for any real model, small enough that a
+# malformed or hostile message cannot make a receiver allocate without limit.
+MAX_METADATA_BYTES = 64 * 1024 * 1024
+MAX_TENSORS = 1_000_000
+MAX_NAME_LENGTH = 1024
+MAX_DIMS = 32
+MAX_TENSOR_BYTES = 1 << 44
+
+
+def align(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor lives: its bucket and its byte offset in that bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bucket: int
+    offset: int
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One transfer unit: the tensors it holds and its (aligned) size in bytes."""
+
+    index: int
+    nbytes: int
+    tensors: tuple[TensorSpec, ...]
+
+
+def _validate_entry(entry: Any, position: int) -> tuple[str, tuple[int, ...], str]:
+    if not isinstance(entry, Sequence) or isinstance(entry, str) or len(entry) != 3:
+        raise MetadataError(f"tensor entry {position} must be [name, shape, dtype], got {entry!r:.200}")
+    name, shape, dtype = entry
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
+        raise MetadataError(f"tensor entry {position}: invalid name {name!r:.200}")
+    if (
+        not isinstance(shape, Sequence)
+        or isinstance(shape, str)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise MetadataError(f"tensor {name!r}: invalid shape {shape!r:.200}")
+    if not isinstance(dtype, str):
+        raise MetadataError(f"tensor {name!r}: dtype must be a string, got {dtype!r:.100}")
+    dtype_from_name(dtype)
+    return name, tuple(shape), dtype
+
+
+class Layout:
+    """Bucketed, aligned placement of named tensors; equal layouts have equal digests."""
+
+    def __init__(
+        self,
+        entries: Iterable[tuple[str, Sequence[int], str]],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if not isinstance(bucket_bytes, int) or bucket_bytes < ALIGNMENT:
+            raise MetadataError(f"bucket_bytes must be an int >= {ALIGNMENT}, got {bucket_bytes!r}")
+        self.bucket_bytes = bucket_bytes
+        specs: list[TensorSpec] = []
+        buckets: list[list[TensorSpec]] = []
+        sizes: list[int] = []
+        seen: set[str] = set()
+        cursor = 0
+        for position, entry in enumerate(entries):
+            if position >= MAX_TENSORS:
+                raise MetadataError(f"more than {MAX_TENSORS} tensors in one layout")
+            name, shape, dtype = _validate_entry(entry, position)
+            if name in seen:
+                raise MetadataError(f"tensor {name!r} appears twice in the layout")
+            seen.add(name)
+            nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
+            if nbytes > MAX_TENSOR_BYTES:
+                raise MetadataError(
+                    f"tensor {name!r} claims {nbytes} bytes, over the {MAX_TENSOR_BYTES} limit"
+                )
+            span = align(max(nbytes, 1))
+            oversized = span > bucket_bytes
+            if not buckets or oversized or cursor + span > bucket_bytes:
+                buckets.append([])
+                sizes.append(0)
+                cursor = 0
+            spec = TensorSpec(name, shape, dtype, len(buckets) - 1, cursor, nbytes)
+            buckets[-1].append(spec)
+            specs.append(spec)
+            cursor += span
+            sizes[-1] = cursor
+        self.tensors: tuple[TensorSpec, ...] = tuple(specs)
+        self.buckets: tuple[BucketSpec, ...] = tuple(
+            BucketSpec(i, size, tuple(members))
+            for i, (size, members) in enumerate(zip(sizes, buckets, strict=True))
+        )
+        self._by_name = {spec.name: spec for spec in specs}
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def from_state_dict(
+        cls, state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Layout:
+        """The layout of `state_dict`, in its own key order."""
+        return cls(
+            ((name, tuple(t.shape), dtype_name(t.dtype)) for name, t in state_dict.items()),
+            bucket_bytes,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form: the entries, the bucket cap and the digest to check on arrival."""
+        return {
+            "format": LAYOUT_FORMAT,
+            "bucket_bytes": self.bucket_bytes,
+            "alignment": ALIGNMENT,
+            "tensors": [[s.name, list(s.shape), s.dtype] for s in self.tensors],
+            "digest": self.digest,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Layout:
+        """Rebuild a layout sent by a peer; malformed or inconsistent data raises MetadataError."""
+        if not isinstance(data, Mapping):
+            raise MetadataError(f"layout must be a mapping, got {type(data).__name__}")
+        if data.get("format") != LAYOUT_FORMAT:
+            raise MetadataError(f"unsupported layout format {data.get('format')!r}; expected {LAYOUT_FORMAT}")
+        if data.get("alignment") != ALIGNMENT:
+            raise MetadataError(f"layout alignment {data.get('alignment')!r} differs from ours ({ALIGNMENT})")
+        tensors = data.get("tensors")
+        if not isinstance(tensors, list):
+            raise MetadataError("layout 'tensors' must be a list")
+        if len(tensors) > MAX_TENSORS:
+            raise MetadataError(f"layout lists {len(tensors)} tensors, over the {MAX_TENSORS} limit")
+        layout = cls(tensors, data.get("bucket_bytes"))  # type: ignore[arg-type]
+        if data.get("digest") != layout.digest:
+            raise MetadataError("layout digest does not match its entries (corrupted or tampered metadata)")
+        return layout
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str, max_bytes: int = MAX_METADATA_BYTES) -> Layout:
+        if len(raw) > max_bytes:
+            raise MetadataError(f"layout metadata is {len(raw)} bytes, over the {max_bytes}-byte limit")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MetadataError(f"layout metadata is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    # -- queries ----------------------------------------------------------------------
+    @cached_property
+    def digest(self) -> str:
+        """Identity of the layout: entries, order, bucket cap and alignment."""
+        canon = json.dumps(
+            [
+                LAYOUT_FORMAT,
+                ALIGNMENT,
+                self.bucket_bytes,
+                [[s.name, list(s.shape), s.dtype] for s in self.tensors],
+            ],
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data (without alignment padding)."""
+        return sum(s.nbytes for s in self.tensors)
+
+    @property
+    def padded_bytes(self) -> int:
+        """Bytes on the wire: every bucket at its aligned size."""
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def max_bucket_nbytes(self) -> int:
+        return max((b.nbytes for b in self.buckets), default=0)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise LayoutMismatchError(f"parameter {name!r} is not in the layout", name) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout({len(self.tensors)} tensors, {len(self.buckets)} buckets, "
+            f"{self.total_bytes} bytes, digest={self.digest[:12]})"
+        )
+
+    def check_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Raise LayoutMismatchError naming the first parameter that differs from the layout."""
+        for spec in self.tensors:
+            tensor = state_dict.get(spec.name)
+            if tensor is None:
+                raise LayoutMismatchError(f"parameter {spec.name!r} is missing", spec.name)
+            if tuple(tensor.shape) != spec.shape:
+                raise LayoutMismatchError(
+                    f"parameter {spec.name!r} has shape {tuple(tensor.shape)}, layout says {spec.shape}",
+                    spec.name,
+                )
+            if tensor.dtype != spec.torch_dtype:
+                raise LayoutMismatchError(
+                    f"parameter {spec.name!r} has dtype {dtype_name(tensor.dtype)}, layout says {spec.dtype}",
+                    spec.name,
+                )
+        extra = [name for name in state_dict if name not in self._by_name]
+        if extra:
+            raise LayoutMismatchError(f"parameter {extra[0]!r} is not in the layout", extra[0])
+
+    def diff(self, other: Layout) -> str | None:
+        """The first difference from `other` as a sentence naming the parameter, or None."""
+        if self.digest == other.digest:
+            return None
+        for mine, theirs in zip(self.tensors, other.tensors, strict=False):
+            if mine.name != theirs.name:
+                return f"parameter {mine.name!r} where the peer has {theirs.name!r}"
+            if mine.shape != theirs.shape:
+                return f"parameter {mine.name!r}: shape {mine.shape} vs peer {theirs.shape}"
+            if mine.dtype != theirs.dtype:
+                return f"parameter {mine.name!r}: dtype {mine.dtype} vs peer {theirs.dtype}"
+        if len(self.tensors) != len(other.tensors):
+            longer = self if len(self.tensors) > len(other.tensors) else other
+            name = longer.tensors[min(len(self.tensors), len(other.tensors))].name
+            return f"parameter {name!r} exists on only one side"
+        return f"bucket size {self.bucket_bytes} vs peer {other.bucket_bytes}"
+
+    def require_same(self, other: Layout) -> None:
+        """Raise LayoutMismatchError naming the parameter where two layouts diverge."""
+        problem = self.diff(other)
+        if problem is not None:
+            name = problem.split("'")[1] if "'" in problem else None
+            raise LayoutMismatchError(f"layout mismatch: {problem}", name)
