@@ -1,4 +1,4 @@
-"""rlfleet.policygroup: PolicyGroup on Ray: train and eval policies placed, connected, synced and routed, composed from rlfleet routing, placement and weightsync."""
+"""rlfleet.policygroup: train and eval policies on Ray, placed, connected, synced and routed."""
 
 from rlfleet.policygroup.__about__ import __version__
 

@@ -40,7 +40,8 @@ def _source(tensors: Mapping[str, torch.Tensor], spec: TensorSpec) -> torch.Tens
         raise LayoutMismatchError(f"parameter {spec.name!r} is missing from the state dict", spec.name)
     if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.torch_dtype:
         raise LayoutMismatchError(
-            f"parameter {spec.name!r} is {tensor.dtype} {tuple(tensor.shape)}, layout says {spec.dtype} {spec.shape}",
+            f"parameter {spec.name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+            f"layout says {spec.dtype} {spec.shape}",
             spec.name,
         )
     return tensor
