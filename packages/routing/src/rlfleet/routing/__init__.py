@@ -1,5 +1,56 @@
-"""rlfleet.routing: Routers that pick which rollout (eval) worker serves a request: least-load, round-robin, power-of-two, node-affinity, consistent-hash, weight-version aware."""
+"""rlfleet.routing: which rollout (eval) worker serves a request.
+
+Routers over opaque hashable worker keys, thread-safe, counting requests in flight locally:
+least-load, round-robin, power-of-two, node-affinity and consistent-hash (bounded load), all
+aware of draining workers and weight versions for rolling updates. Stdlib only.
+"""
 
 from rlfleet.routing.__about__ import __version__
+from rlfleet.routing._base import Router
+from rlfleet.routing._consistent_hash import ConsistentHashRouter, stable_hash
+from rlfleet.routing._errors import (
+    DrainTimeoutError,
+    DuplicateWorkerError,
+    NotInFlightError,
+    NoWorkerAvailableError,
+    RoutingError,
+    UnknownWorkerError,
+)
+from rlfleet.routing._factory import ROLLOUT_MODES, ROUTER_TYPES, create_router
+from rlfleet.routing._least_load import LeastLoadRouter, least_load_assign
+from rlfleet.routing._node_affinity import (
+    EnvAffinity,
+    NodeAffinityRouter,
+    env_affinity,
+    env_nodes_from_distribution,
+    parse_env_index,
+    worker_nodes_from_distribution,
+)
+from rlfleet.routing._power_of_two import PowerOfTwoRouter
+from rlfleet.routing._round_robin import RoundRobinRouter
 
-__all__ = ["__version__"]
+__all__ = [
+    "ConsistentHashRouter",
+    "DrainTimeoutError",
+    "DuplicateWorkerError",
+    "EnvAffinity",
+    "LeastLoadRouter",
+    "NoWorkerAvailableError",
+    "NodeAffinityRouter",
+    "NotInFlightError",
+    "PowerOfTwoRouter",
+    "ROLLOUT_MODES",
+    "ROUTER_TYPES",
+    "RoundRobinRouter",
+    "Router",
+    "RoutingError",
+    "UnknownWorkerError",
+    "__version__",
+    "create_router",
+    "env_affinity",
+    "env_nodes_from_distribution",
+    "least_load_assign",
+    "parse_env_index",
+    "stable_hash",
+    "worker_nodes_from_distribution",
+]

@@ -1,0 +1,268 @@
+"""Node-affinity routing: keep a request on the node its environment runs on."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from rlfleet.routing._base import Router, W, _Worker
+from rlfleet.routing._errors import NotInFlightError, UnknownWorkerError
+from rlfleet.routing._index import LoadHeap
+
+KeyToNode = Mapping[Any, Hashable] | Callable[[Hashable], Hashable | None]
+ComponentDistribution = Mapping[Hashable, Mapping[str, Any]]
+
+
+def parse_env_index(env_id: object) -> int | None:
+    """The env worker index in a seed env id `"<name>-<idx>"` (None if there is none).
+
+    As the seed: `int(env_id.rsplit("-", 1)[-1])`. An int is taken as the index itself.
+    """
+    if isinstance(env_id, int) and not isinstance(env_id, bool):
+        return env_id
+    if not isinstance(env_id, str):
+        return None
+    try:
+        return int(env_id.rsplit("-", 1)[-1])
+    except ValueError:
+        return None
+
+
+def _ids(distribution: ComponentDistribution, node: Hashable, component: str) -> list[int]:
+    comps = distribution[node]
+    if not isinstance(comps, Mapping):
+        raise ValueError(f"component_distribution[{node!r}] must be a mapping, got {comps!r}")
+    entry = comps.get(component, {})
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"component_distribution[{node!r}][{component!r}] must be a mapping, got {entry!r}")
+    out: list[int] = []
+    for raw in entry.get("ids", []):
+        try:
+            out.append(int(raw))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"component_distribution[{node!r}][{component!r}]['ids'] holds {raw!r}, not an int"
+            ) from None
+    return out
+
+
+def env_nodes_from_distribution(component_distribution: ComponentDistribution) -> dict[int, Hashable]:
+    """env worker index -> node, from `{node: {"env": {"ids": [...]}, ...}}` (the seed's shape)."""
+    out: dict[int, Hashable] = {}
+    for node in component_distribution:
+        for idx in _ids(component_distribution, node, "env"):
+            if idx in out and out[idx] != node:
+                raise ValueError(f"env worker {idx} is placed on two nodes: {out[idx]!r} and {node!r}")
+            out[idx] = node
+    return out
+
+
+class EnvAffinity:
+    """Key -> node for seed env ids: parses `"<name>-<idx>"` and looks the index up."""
+
+    __slots__ = ("env_nodes",)
+
+    def __init__(self, env_nodes: Mapping[int, Hashable]) -> None:
+        self.env_nodes = dict(env_nodes)
+
+    def __call__(self, key: Hashable) -> Hashable | None:
+        idx = parse_env_index(key)
+        return None if idx is None else self.env_nodes.get(idx)
+
+    def __repr__(self) -> str:
+        return f"EnvAffinity({self.env_nodes!r})"
+
+
+def env_affinity(component_distribution: ComponentDistribution) -> EnvAffinity:
+    """The key -> node callable for seed env ids placed by `component_distribution`."""
+    return EnvAffinity(env_nodes_from_distribution(component_distribution))
+
+
+def worker_nodes_from_distribution(
+    component_distribution: ComponentDistribution, workers: Sequence[W]
+) -> dict[W, Hashable]:
+    """worker -> node: `component_distribution[node]["eval"]["ids"]` index into `workers`."""
+    out: dict[W, Hashable] = {}
+    for node in component_distribution:
+        for idx in _ids(component_distribution, node, "eval"):
+            if not 0 <= idx < len(workers):
+                raise ValueError(
+                    f"component_distribution[{node!r}]['eval'] names worker {idx}, "
+                    f"but there are {len(workers)} worker(s)"
+                )
+            worker = workers[idx]
+            if worker in out and out[worker] != node:
+                raise ValueError(f"eval worker {idx} is placed on two nodes: {out[worker]!r} and {node!r}")
+            out[worker] = node
+    return out
+
+
+class _Node:
+    __slots__ = ("heap", "lock", "name", "total")
+
+    def __init__(self, name: Hashable | None) -> None:
+        self.name = name
+        self.lock = threading.Lock()
+        self.heap: LoadHeap[Any] = LoadHeap()
+        self.total = 0  # requests in flight on this node's workers
+
+
+class NodeAffinityRouter(Router[W]):
+    """Send a request to the least-loaded candidate on its key's node; anywhere if none.
+
+    `key_to_node` (a mapping or a callable) names the node of a key (an env id); each worker
+    is added on a node (`worker_nodes`, or `add_worker(..., node=...)`). A key whose node has
+    no candidate, an unknown key and `None` fall back to the least-loaded candidate of any
+    node. Each node has its own lock, so requests for different nodes never contend; only
+    membership changes take every lock.
+    """
+
+    def __init__(
+        self,
+        workers: Iterable[W] = (),
+        *,
+        key_to_node: KeyToNode | None = None,
+        worker_nodes: Mapping[W, Hashable] | Callable[[W], Hashable] | None = None,
+        prefer_newest_version: bool = True,
+        max_in_flight: int | None = None,
+    ) -> None:
+        self._nodes: dict[Hashable | None, _Node] = {}
+        if key_to_node is None:
+            self._resolve: Callable[[Hashable], Hashable | None] = _no_node
+        elif isinstance(key_to_node, Mapping):
+            self._resolve = key_to_node.get
+        elif callable(key_to_node):
+            self._resolve = key_to_node
+        else:
+            raise TypeError(f"key_to_node must be a mapping or a callable, got {key_to_node!r}")
+        super().__init__(prefer_newest_version=prefer_newest_version, max_in_flight=max_in_flight)
+        if worker_nodes is None:
+            node_of: Callable[[W], Hashable | None] = _no_node
+        elif isinstance(worker_nodes, Mapping):
+            node_of = worker_nodes.get
+        else:
+            node_of = worker_nodes
+        for worker in workers:
+            self.add_worker(worker, node=node_of(worker))
+
+    @classmethod
+    def from_component_distribution(
+        cls,
+        workers: Sequence[W],
+        component_distribution: ComponentDistribution,
+        **kwargs: Any,
+    ) -> NodeAffinityRouter[W]:
+        """The seed's setup: env ids `"<name>-<idx>"` and eval worker indices placed per node."""
+        worker_nodes = worker_nodes_from_distribution(component_distribution, workers)
+        return cls(
+            workers,
+            key_to_node=env_affinity(component_distribution),
+            worker_nodes=worker_nodes,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ locking
+    @contextmanager
+    def _all_nodes_locked(self) -> Iterator[None]:
+        with self._lock:
+            locks = [n.lock for n in self._nodes.values()]
+            for lock in locks:
+                lock.acquire()
+            try:
+                yield
+            finally:
+                for lock in reversed(locks):
+                    lock.release()
+
+    def _exclusive(self) -> Any:
+        return self._all_nodes_locked()
+
+    def add_worker(self, worker: W, *, node: Hashable | None = None, version: int = 0) -> None:
+        with self._lock:  # publish the (empty) node first so _exclusive takes its lock too
+            if node not in self._nodes:
+                self._nodes[node] = _Node(node)
+        super().add_worker(worker, node=node, version=version)
+
+    # ------------------------------------------------------------------ hooks
+    def _pick(self, key: Hashable | None) -> _Worker[W] | None:  # pragma: no cover - _try_select instead
+        raise NotImplementedError("NodeAffinityRouter selects under per-node locks")
+
+    def _member_add(self, st: _Worker[W]) -> None:
+        st.slot = self._nodes[st.node]
+
+    def _index_add(self, st: _Worker[W]) -> None:
+        st.slot.heap.add(st)
+
+    def _index_remove(self, st: _Worker[W]) -> None:
+        st.slot.heap.remove(st)
+
+    # ------------------------------------------------------------------ hot path
+    def node_for(self, key: Hashable | None) -> Hashable | None:
+        """The node `key` maps to (None: no affinity)."""
+        return None if key is None else self._resolve(key)
+
+    def _try_select(self, key: Hashable | None) -> W | None:
+        best = self._best
+        if best is None:
+            return None
+        if key is not None:
+            node = self._nodes.get(self._resolve(key))
+            if node is not None:
+                with node.lock:
+                    st: _Worker[W] | None = node.heap.pop_min(best, self._cap)
+                    if st is not None:
+                        node.total += 1
+                        return st.key
+        return self._fallback(best)
+
+    def _fallback(self, best: int) -> W | None:
+        """Least-loaded candidate of any node, taking one node lock at a time."""
+        cap = self._cap
+        found: list[tuple[tuple[int, int], _Node]] = []
+        for node in list(self._nodes.values()):
+            with node.lock:
+                top = node.heap.peek_min(best)
+            if top is not None and (cap is None or top[0] < cap):
+                found.append((top, node))
+        found.sort(key=lambda f: f[0])
+        for _, node in found:
+            with node.lock:  # loads may have moved since the peek: take that node's minimum now
+                st: _Worker[W] | None = node.heap.pop_min(best, cap)
+                if st is not None:
+                    node.total += 1
+                    return st.key
+        return None
+
+    def release(self, worker: W) -> None:
+        st = self._states.get(worker)
+        if st is None:
+            raise UnknownWorkerError(f"release({worker!r}): worker is not known to this router")
+        node: _Node = st.slot
+        with node.lock:
+            if st.load <= 0:
+                raise NotInFlightError(f"release({worker!r}): worker has no request in flight")
+            st.load -= 1
+            node.total -= 1
+            if st.selectable:
+                node.heap.released(st)
+            elif not st.active and st.load == 0 and self._states.get(worker) is st:
+                del self._states[worker]
+        if self._waiters:
+            self._wake()
+
+    @property
+    def in_flight(self) -> int:
+        with self._exclusive():
+            return sum(n.total for n in self._nodes.values())
+
+    @property
+    def nodes(self) -> list[Hashable | None]:
+        """Nodes workers were added on (None: workers added without a node)."""
+        with self._lock:
+            return list(self._nodes)
+
+
+def _no_node(key: object) -> None:
+    return None
