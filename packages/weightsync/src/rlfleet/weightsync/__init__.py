@@ -1,6 +1,14 @@
 """rlfleet.weightsync: bucketed, versioned, atomic weight sync from trainers to rollout workers."""
 
 from rlfleet.weightsync.__about__ import __version__
+from rlfleet.weightsync._deadline import (
+    Backoff,
+    Deadline,
+    Watchdog,
+    armed_watchdogs,
+    stand_down,
+    stand_down_armed_watchdogs,
+)
 from rlfleet.weightsync._dtypes import DTYPES, dtype_from_name, dtype_name
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
@@ -28,6 +36,12 @@ from rlfleet.weightsync._protocol import BucketConsumer
 
 __all__ = [
     "ALIGNMENT",
+    "Backoff",
+    "Deadline",
+    "Watchdog",
+    "armed_watchdogs",
+    "stand_down",
+    "stand_down_armed_watchdogs",
     "DEFAULT_BUCKET_BYTES",
     "DTYPES",
     "BucketConsumer",
