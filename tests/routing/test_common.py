@@ -1,0 +1,317 @@
+"""Behaviour every router shares: counts, draining, versions, waiting, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from routing_helpers import MakeRouter
+
+from rlfleet.routing import (
+    DrainTimeoutError,
+    DuplicateWorkerError,
+    NotInFlightError,
+    NoWorkerAvailableError,
+    RoutingError,
+    UnknownWorkerError,
+)
+
+KEYS = [None, "env-0", "env-1", "env-7", "session-42"]
+
+
+def test_select_counts_in_flight_and_release_counts_down(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b", "c"])
+    assert r.workers == ["a", "b", "c"]
+    assert r.loads() == {"a": 0, "b": 0, "c": 0}
+    picked = [r.select(k) for k in KEYS]
+    assert all(w in {"a", "b", "c"} for w in picked)
+    assert r.in_flight == len(KEYS)
+    assert sum(r.loads().values()) == len(KEYS)
+    for w in picked:
+        r.release(w)
+    assert r.in_flight == 0
+    assert r.loads() == {"a": 0, "b": 0, "c": 0}
+
+
+def test_assign_counts_each_request(make_router: MakeRouter) -> None:
+    r = make_router(range(4))
+    out = r.assign(["env-1", "env-2", None, "x"])
+    assert len(out) == 4
+    assert r.in_flight == 4
+    out += r.assign(3)
+    assert r.in_flight == 7
+    for w in out:
+        r.release(w)
+    assert r.in_flight == 0
+    assert r.assign([]) == []
+    with pytest.raises(ValueError, match="-1"):
+        r.assign(-1)
+
+
+def test_assign_is_all_or_nothing(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b"], max_in_flight=1)
+    with pytest.raises(NoWorkerAvailableError):
+        r.assign(3)
+    assert r.in_flight == 0
+    assert r.loads() == {"a": 0, "b": 0}
+    assert sorted(r.assign(2)) == ["a", "b"]
+
+
+def test_no_worker_raises_clearly(make_router: MakeRouter) -> None:
+    r = make_router()
+    with pytest.raises(NoWorkerAvailableError, match="no workers"):
+        r.select()
+    r.add_worker("a")
+    r.set_draining("a", True)
+    with pytest.raises(NoWorkerAvailableError, match="1 draining"):
+        r.select("env-3")
+
+
+def test_draining_worker_is_never_selected(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b", "c"])
+    held = r.assign(6)
+    r.set_draining("b", True)
+    assert r.is_draining("b")
+    for key in KEYS * 20:
+        w = r.select(key)
+        assert w != "b"
+        r.release(w)
+    # Releases on a draining worker still count down.
+    for w in held:
+        r.release(w)
+    assert r.loads() == {"a": 0, "b": 0, "c": 0}
+    r.set_draining("b", False)
+    r.set_draining("a", True)
+    r.set_draining("c", True)
+    assert {r.select(k) for k in KEYS} == {"b"}
+
+
+def test_prefer_newest_version_routes_to_updated_workers(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b", "c", "d"])
+    assert r.prefer_newest_version
+    r.set_version("c", 1)
+    r.set_version("d", 1)
+    assert r.version("c") == 1
+    assert r.version("a") == 0
+    for key in KEYS * 10:
+        w = r.select(key)
+        assert w in {"c", "d"}
+        r.release(w)
+    # Draining every new worker makes the old version the newest selectable one again.
+    r.set_draining("c", True)
+    r.set_draining("d", True)
+    for key in KEYS * 10:
+        w = r.select(key)
+        assert w in {"a", "b"}
+        r.release(w)
+    # A worker added at a newer version takes everything.
+    r.add_worker("e", version=2)
+    assert {r.select(k) for k in KEYS} == {"e"}
+
+
+def test_prefer_newest_version_off_uses_every_version(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b"], prefer_newest_version=False)
+    r.set_version("b", 5)
+    seen = set(r.assign(["env-0", "env-1", None, None, "x", "y", "z", "w"]))
+    assert seen == {"a", "b"}
+
+
+def test_rolling_update_drain_wait_swap_undrain(make_router: MakeRouter) -> None:
+    workers = ["a", "b", "c"]
+    r = make_router(workers)
+    held = r.assign(9)
+    for i, w in enumerate(workers):
+        r.set_draining(w, True)
+        for h in [h for h in held if h == w]:
+            r.release(h)
+            held.remove(h)
+        r.wait_drained(w, timeout=5)
+        assert r.loads()[w] == 0
+        r.set_version(w, 1)
+        r.set_draining(w, False)
+        got = r.select()
+        # Only updated workers serve once one exists.
+        assert r.version(got) == 1
+        assert got in workers[: i + 1]
+        r.release(got)
+    for h in held:
+        r.release(h)
+    assert r.in_flight == 0
+
+
+@pytest.mark.timeout(30)
+def test_wait_drained_blocks_until_last_release(make_router: MakeRouter) -> None:
+    r = make_router(["a"])
+    held = r.assign(3)
+    r.set_draining("a", True)
+    releaser_may_go = threading.Event()
+
+    def releaser() -> None:
+        releaser_may_go.wait(10)
+        for w in held:
+            r.release(w)
+
+    t = threading.Thread(target=releaser)
+    t.start()
+    releaser_may_go.set()
+    r.wait_drained("a", timeout=20)
+    assert r.loads()["a"] == 0
+    t.join()
+
+
+@pytest.mark.timeout(30)
+def test_wait_drained_times_out_with_a_clear_error(make_router: MakeRouter) -> None:
+    r = make_router(["a"])
+    r.select()
+    with pytest.raises(DrainTimeoutError, match="1 request"):
+        r.wait_drained("a", timeout=0.05)
+    with pytest.raises(TimeoutError):
+        r.wait_drained("a", timeout=0)
+    with pytest.raises(ValueError, match="deadline"):
+        r.wait_drained("a", timeout=None)  # type: ignore[arg-type]
+    with pytest.raises(UnknownWorkerError):
+        r.wait_drained("zz", timeout=1)
+    r.release("a")
+    r.wait_drained("a", timeout=0)
+
+
+@pytest.mark.timeout(30)
+def test_select_with_timeout_waits_for_a_release(make_router: MakeRouter) -> None:
+    r = make_router(["a"], max_in_flight=1)
+    assert r.select("env-0") == "a"
+    with pytest.raises(NoWorkerAvailableError, match="max_in_flight=1"):
+        r.select("env-0")
+    got: list[str] = []
+    waiting = threading.Event()
+
+    def waiter() -> None:
+        waiting.set()
+        got.append(r.select("env-0", timeout=20))
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    waiting.wait(10)
+    r.release("a")
+    t.join(25)
+    assert got == ["a"]
+    assert r.loads() == {"a": 1}
+
+
+@pytest.mark.timeout(30)
+def test_select_with_timeout_waits_for_an_undrain_or_a_new_worker(make_router: MakeRouter) -> None:
+    r = make_router(["a"])
+    r.set_draining("a", True)
+    got: list[str] = []
+    t = threading.Thread(target=lambda: got.append(r.select(timeout=20)))
+    t.start()
+    r.set_draining("a", False)
+    t.join(25)
+    assert got == ["a"]
+
+    r2 = make_router()
+    t = threading.Thread(target=lambda: got.append(r2.select("env-1", timeout=20)))
+    t.start()
+    r2.add_worker("b")
+    t.join(25)
+    assert got == ["a", "b"]
+
+
+@pytest.mark.timeout(30)
+def test_select_timeout_runs_out_with_a_clear_error(make_router: MakeRouter) -> None:
+    r = make_router(["a"])
+    r.set_draining("a", True)
+    with pytest.raises(NoWorkerAvailableError, match="timed out"):
+        r.select(timeout=0.05)
+    with pytest.raises(NoWorkerAvailableError, match="timed out"):
+        r.assign(2, timeout=0.01)
+    assert r.in_flight == 0
+
+
+def test_release_errors_and_counts_never_go_negative(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b"])
+    with pytest.raises(UnknownWorkerError, match="'zz'"):
+        r.release("zz")
+    with pytest.raises(NotInFlightError, match="'a'"):
+        r.release("a")
+    w = r.select()
+    r.release(w)
+    with pytest.raises(NotInFlightError):
+        r.release(w)
+    assert min(r.loads().values()) == 0
+    assert r.in_flight == 0
+    # The error classes are RoutingErrors and the matching builtins.
+    assert issubclass(UnknownWorkerError, LookupError)
+    assert issubclass(NotInFlightError, ValueError)
+    assert issubclass(NoWorkerAvailableError, RoutingError)
+
+
+def test_membership_errors(make_router: MakeRouter) -> None:
+    r = make_router(["a"])
+    with pytest.raises(DuplicateWorkerError, match="'a'"):
+        r.add_worker("a")
+    for call in (r.remove_worker, r.version, r.is_draining):
+        with pytest.raises(UnknownWorkerError, match="'zz'"):
+            call("zz")
+    with pytest.raises(UnknownWorkerError):
+        r.set_draining("zz", True)
+    with pytest.raises(UnknownWorkerError):
+        r.set_version("zz", 1)
+    with pytest.raises(TypeError, match="version"):
+        r.set_version("a", 1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="version"):
+        r.add_worker("b", version="2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_in_flight"):
+        make_router(max_in_flight=0)
+    assert "a" in r
+    assert "zz" not in r
+    assert [] not in r
+    assert len(r) == 1
+    assert list(r) == ["a"]
+    assert "workers=1" in repr(r)
+
+
+def test_removed_worker_keeps_counting_down_then_disappears(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b"])
+    held = r.assign(4)
+    n_a = held.count("a")
+    assert n_a > 0
+    r.remove_worker("a")
+    assert r.workers == ["b"]
+    assert "a" not in r
+    assert r.loads()["a"] == n_a  # still counted until released
+    assert r.in_flight == 4
+    for key in KEYS * 5:
+        w = r.select(key)
+        assert w == "b"
+        r.release(w)
+    with pytest.raises(DuplicateWorkerError, match="still has"):
+        r.add_worker("a")
+    for w in held:
+        r.release(w)
+    assert r.loads() == {"b": 0}
+    with pytest.raises(UnknownWorkerError):
+        r.release("a")
+    r.add_worker("a")  # back, at the end of the insertion order
+    assert r.workers == ["b", "a"]
+
+
+def test_remove_then_add_and_remove_everything(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b"])
+    r.remove_worker("a")
+    r.remove_worker("b")
+    with pytest.raises(NoWorkerAvailableError):
+        r.select("env-0")
+    r.add_worker("c", node=0)
+    assert r.select("env-0") == "c"
+    assert r.node("c") == 0
+
+
+def test_max_in_flight_caps_each_worker(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b", "c"], max_in_flight=2)
+    assert r.max_in_flight == 2
+    out = r.assign(["env-0"] * 6)
+    assert sorted(out) == ["a", "a", "b", "b", "c", "c"]
+    with pytest.raises(NoWorkerAvailableError):
+        r.select()
+    r.release("b")
+    assert r.select("env-5") == "b"
