@@ -1,0 +1,154 @@
+"""NodeAffinityRouter and the seed's component_distribution helpers."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from rlfleet.routing import (
+    EnvAffinity,
+    NodeAffinityRouter,
+    env_affinity,
+    env_nodes_from_distribution,
+    parse_env_index,
+    worker_nodes_from_distribution,
+)
+
+# The seed's shape: {node: {"env": {"ids": [...]}, "eval": {"ids": [...]}}}.
+DIST: dict[str, dict[str, Any]] = {
+    "node-A": {"env": {"ids": [0, 1]}, "eval": {"ids": [0, 1]}},
+    "node-B": {"env": {"ids": ["2", "3"]}, "eval": {"ids": [2]}},
+    "node-C": {"train": {"ids": [0]}},
+}
+POLICIES = ["p0", "p1", "p2", "p3"]  # p3 is on no node
+
+
+def test_parse_env_index_as_the_seed() -> None:
+    assert parse_env_index("env-12") == 12
+    assert parse_env_index("my-env-3") == 3
+    assert parse_env_index("7") == 7
+    assert parse_env_index(5) == 5
+    assert parse_env_index("env-x") is None
+    assert parse_env_index("env") is None
+    assert parse_env_index(None) is None
+    assert parse_env_index(True) is None
+    assert parse_env_index(("env", 1)) is None
+
+
+def test_distribution_helpers() -> None:
+    assert env_nodes_from_distribution(DIST) == {0: "node-A", 1: "node-A", 2: "node-B", 3: "node-B"}
+    assert worker_nodes_from_distribution(DIST, POLICIES) == {"p0": "node-A", "p1": "node-A", "p2": "node-B"}
+    aff = env_affinity(DIST)
+    assert isinstance(aff, EnvAffinity)
+    assert aff("env-3") == "node-B"
+    assert aff("env-9") is None
+    assert aff("no-index") is None
+    assert "node-A" in repr(aff)
+
+
+@pytest.mark.parametrize(
+    ("dist", "match"),
+    [
+        ({"n": {"env": {"ids": ["x"]}}}, "'x'"),
+        ({"n": {"env": {"ids": [0]}}, "m": {"env": {"ids": [0]}}}, "two nodes"),
+        ({"n": ["env"]}, "must be a mapping"),
+        ({"n": {"env": [0]}}, "must be a mapping"),
+    ],
+)
+def test_bad_env_placement_names_the_culprit(dist: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        env_nodes_from_distribution(dist)
+
+
+@pytest.mark.parametrize(
+    ("dist", "match"),
+    [
+        ({"n": {"eval": {"ids": [9]}}}, "worker 9"),
+        ({"n": {"eval": {"ids": [0]}}, "m": {"eval": {"ids": [0]}}}, "two nodes"),
+        ({"n": {"eval": {"ids": [None]}}}, "None"),
+    ],
+)
+def test_bad_eval_placement_names_the_culprit(dist: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        worker_nodes_from_distribution(dist, POLICIES)
+
+
+def test_keys_stay_on_their_node_least_loaded_first() -> None:
+    r = NodeAffinityRouter.from_component_distribution(POLICIES, DIST)
+    assert r.node("p0") == "node-A"
+    assert r.node("p3") is None
+    assert r.node_for("env-2") == "node-B"
+    assert r.node_for(None) is None
+    assert set(r.nodes) == {"node-A", "node-B", None}
+    assert r.assign(["env-0", "env-1", "env-0", "env-1"]) == ["p0", "p1", "p0", "p1"]
+    assert r.assign(["env-2", "env-3", "env-2"]) == ["p2", "p2", "p2"]
+    r.release("p1")
+    assert r.select("env-0") == "p1"
+
+
+def test_fallback_goes_to_the_least_loaded_candidate_anywhere() -> None:
+    r = NodeAffinityRouter.from_component_distribution(POLICIES, DIST)
+    r.assign(["env-0", "env-1", "env-2"])  # p0, p1, p2 hold one each
+    # Unknown env, no key: the global least loaded is p3 (on no node).
+    assert r.select("env-99") == "p3"
+    assert r.select(None) == "p0"
+    # Every worker of node B draining: its keys go elsewhere.
+    r.set_draining("p2", True)
+    assert r.select("env-2") in {"p1", "p3"}
+    r.set_draining("p2", False)
+    assert r.select("env-2") == "p2"
+
+
+def test_fallback_when_the_node_is_full() -> None:
+    r = NodeAffinityRouter.from_component_distribution(POLICIES, DIST, max_in_flight=1)
+    assert r.select("env-2") == "p2"
+    assert r.select("env-2") == "p0"  # node B full: least loaded elsewhere, lowest index first
+
+
+def test_mapping_key_to_node_and_callable_worker_nodes() -> None:
+    r = NodeAffinityRouter(
+        ["w0", "w1", "w2", "w3"],
+        key_to_node={"s1": "x", "s2": "y"},
+        worker_nodes=lambda w: "x" if w in ("w0", "w1") else "y",
+    )
+    assert set(r.assign(["s1", "s1"])) == {"w0", "w1"}
+    assert set(r.assign(["s2", "s2"])) == {"w2", "w3"}
+    r.add_worker("w4", node="z")
+    assert r.select("s3") == "w4"
+    with pytest.raises(TypeError, match="key_to_node"):
+        NodeAffinityRouter(key_to_node=42)  # type: ignore[arg-type]
+
+
+def test_prefer_newest_version_applies_across_nodes() -> None:
+    r = NodeAffinityRouter(
+        ["a0", "b0"], key_to_node={"ka": "A", "kb": "B"}, worker_nodes={"a0": "A", "b0": "B"}
+    )
+    r.set_version("b0", 1)
+    # Node A holds only the old version: its keys go to the updated worker.
+    assert r.select("ka") == "b0"
+    r2 = NodeAffinityRouter(
+        ["a0", "b0"],
+        key_to_node={"ka": "A", "kb": "B"},
+        worker_nodes={"a0": "A", "b0": "B"},
+        prefer_newest_version=False,
+    )
+    r2.set_version("b0", 1)
+    assert r2.select("ka") == "a0"
+
+
+@pytest.mark.timeout(30)
+def test_a_busy_node_does_not_block_another_node() -> None:
+    """Requests for node B never take node A's lock (no global lock on the hot path)."""
+    r = NodeAffinityRouter(
+        ["a0", "b0"], key_to_node={"ka": "A", "kb": "B"}, worker_nodes={"a0": "A", "b0": "B"}
+    )
+    node_a_lock = r._nodes["A"].lock
+    got: list[str] = []
+    with node_a_lock:  # as if a thread were in the middle of a decision on node A
+        t = threading.Thread(target=lambda: (got.append(r.select("kb")), r.release("b0")))
+        t.start()
+        t.join(10)
+        assert not t.is_alive()
+    assert got == ["b0"]
