@@ -1,5 +1,48 @@
 """rlfleet.policygroup: train and eval policies on Ray, placed, connected, synced and routed."""
 
 from rlfleet.policygroup.__about__ import __version__
+from rlfleet.policygroup._batched import BatchedData
+from rlfleet.policygroup._builder import build_policy_group, plan_placement, ray_topology
+from rlfleet.policygroup._config import (
+    BUFFER_STRATEGIES,
+    BUFFER_TYPES,
+    ROLLOUT_MODES,
+    PolicyConfig,
+    TrainConfig,
+    WeightBufferConfig,
+)
+from rlfleet.policygroup._errors import (
+    CommGroupError,
+    PolicyGroupError,
+    TaskTimeoutError,
+    TrainWorkerDiedError,
+    WorkerDiedError,
+)
+from rlfleet.policygroup._group import PolicyGroup
+from rlfleet.policygroup._submitter import TaskSubmitter, resolve_object
+from rlfleet.policygroup._worker import BasePolicy, ParallelMode, PolicyRole
 
-__all__ = ["__version__"]
+__all__ = [
+    "BUFFER_STRATEGIES",
+    "BUFFER_TYPES",
+    "ROLLOUT_MODES",
+    "BasePolicy",
+    "BatchedData",
+    "CommGroupError",
+    "ParallelMode",
+    "PolicyConfig",
+    "PolicyGroup",
+    "PolicyGroupError",
+    "PolicyRole",
+    "TaskSubmitter",
+    "TaskTimeoutError",
+    "TrainConfig",
+    "TrainWorkerDiedError",
+    "WeightBufferConfig",
+    "WorkerDiedError",
+    "__version__",
+    "build_policy_group",
+    "plan_placement",
+    "ray_topology",
+    "resolve_object",
+]

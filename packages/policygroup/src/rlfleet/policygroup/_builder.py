@@ -1,0 +1,153 @@
+"""`build_policy_group`: actors from a rlfleet.placement plan, then the seed's init order."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from rlfleet.placement import Placement, Topology, place_colocated, place_disaggregated
+from rlfleet.policygroup._config import PolicyConfig, TrainConfig
+from rlfleet.policygroup._errors import PolicyGroupError
+from rlfleet.policygroup._group import PolicyGroup
+from rlfleet.policygroup._worker import BasePolicy, PolicyRole
+
+
+def ray_topology(nodes: Sequence[str] | None = None, slots_per_node: int = 1, kind: str = "cpu") -> Topology:
+    """A placement Topology of alive Ray nodes (head first), `slots_per_node` devices each."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if nodes is None:
+        alive.sort(key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeID"]))
+        ids = [n["NodeID"] for n in alive]
+    else:
+        known = {n["NodeID"] for n in alive}
+        unknown = [n for n in nodes if n not in known]
+        if unknown:
+            raise PolicyGroupError(f"nodes {unknown} are not alive Ray nodes (alive: {sorted(known)})")
+        ids = list(nodes)
+    if not ids:
+        raise PolicyGroupError("no alive Ray node to place policies on")
+    spec = {
+        "nodes": [
+            {"id": nid, "devices": [{"id": f"{kind}{k}", "kind": kind} for k in range(slots_per_node)]}
+            for nid in ids
+        ]
+    }
+    return Topology.from_spec(spec)
+
+
+def plan_placement(
+    num_train: int,
+    num_eval: int,
+    config: PolicyConfig,
+    *,
+    colocated: bool = False,
+    nodes: Sequence[str] | None = None,
+    slots_per_node: int | None = None,
+    mode: str = "packed",
+) -> Placement:
+    """Where each worker goes: train-i / eval-i ids on Ray node ids (rlfleet.placement)."""
+    kind = "gpu" if (config.train_num_gpus or config.eval_num_gpus) else "cpu"
+    n_nodes = len(nodes) if nodes is not None else len([n for n in ray.nodes() if n.get("Alive")])
+    if slots_per_node is None:
+        need = num_train if colocated else num_train + num_eval
+        slots_per_node = max(1, math.ceil(need / max(1, n_nodes)))
+    topology = ray_topology(nodes, slots_per_node, kind)
+    cpus = max(config.train_num_cpus, config.eval_num_cpus, 0.01)
+    if colocated:
+        return place_colocated(topology, num_train, num_eval, cpus_per_worker=cpus, device_kind=kind)
+    return place_disaggregated(topology, num_train, num_eval, mode=mode, cpus_per_worker=cpus, device_kind=kind)
+
+
+def build_policy_group(
+    policy_cls: type[BasePolicy],
+    num_train: int,
+    num_eval: int,
+    config: PolicyConfig,
+    *,
+    colocated: bool = False,
+    nodes: Sequence[str] | None = None,
+    slots_per_node: int | None = None,
+    mode: str = "packed",
+    scheduling: str = "node_affinity",
+    train_config: TrainConfig | None = None,
+    policy_kwargs: Mapping[str, Any] | None = None,
+    init: bool = True,
+    ready_timeout_s: float = 300.0,
+) -> PolicyGroup:
+    """Create `num_train` + `num_eval` actors of `policy_cls` as planned, and wire them up.
+
+    `scheduling`: "node_affinity" pins each actor to its planned Ray node; "placement_group"
+    reserves the plan's bundles in a Ray placement group first. With `init`, runs the seed's
+    order: init (eval, train) -> init_placement_info -> init_weight_buffer -> init_comm_group.
+    """
+    if not ray.is_initialized():
+        raise PolicyGroupError("build_policy_group needs ray.init() (or a cluster address) first")
+    if scheduling not in ("node_affinity", "placement_group"):
+        raise ValueError(f"scheduling must be 'node_affinity' or 'placement_group', got {scheduling!r}")
+    placement = plan_placement(
+        num_train, num_eval, config, colocated=colocated, nodes=nodes, slots_per_node=slots_per_node, mode=mode
+    )
+    remote_cls = ray.remote(policy_cls)
+    pg = None
+    if scheduling == "placement_group":
+        pg = ray.util.placement_group(placement.ray_bundles(), strategy=placement.strategy or "PACK")
+        try:
+            ray.get(pg.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise PolicyGroupError(
+                f"placement group {placement.ray_bundles()} not ready within {ready_timeout_s:.0f}s"
+            ) from None
+    actors: dict[str, list[Any]] = {"train": [], "eval": []}
+    for w in sorted(placement.workers, key=lambda w: (w.role != "train", int(str(w.worker_id).split("-")[-1]))):
+        train = w.role == "train"
+        index = len(actors[w.role])
+        strategy: Any
+        if pg is not None:
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w.bundle_index)
+        else:
+            strategy = NodeAffinitySchedulingStrategy(node_id=w.node, soft=False)
+        cpus = config.train_num_cpus if train else config.eval_num_cpus
+        if pg is not None:
+            cpus = min(max(cpus, 0.0), placement.bundles[w.bundle_index or 0].cpu / 2)
+        actor = remote_cls.options(
+            num_cpus=cpus,
+            num_gpus=config.train_num_gpus if train else config.eval_num_gpus,
+            max_concurrency=config.max_concurrency,
+            scheduling_strategy=strategy,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
+        ).remote(
+            config=config,
+            role=PolicyRole.TRAIN if train else PolicyRole.EVAL,
+            index=index,
+            **dict(policy_kwargs or {}),
+        )
+        actors[w.role].append(actor)
+    group = PolicyGroup(actors["train"], actors["eval"], config)
+    group._owned_actors = actors["train"] + actors["eval"]
+    if pg is not None:
+        group._placement_groups.append(pg)
+    group.placement = placement  # type: ignore[attr-defined]
+    try:
+        everyone = actors["train"] + actors["eval"]
+        ready, pending = ray.wait([a.is_alive.remote() for a in everyone], num_returns=len(everyone),
+                                  timeout=ready_timeout_s)
+        if pending:
+            raise PolicyGroupError(f"{len(pending)} policy actor(s) did not start within {ready_timeout_s:.0f}s")
+        ray.get(ready, timeout=30)
+        if init:
+            group.init(train_config if train_config is not None else TrainConfig())
+            group.init_placement_info(is_colocated=colocated)
+            group.init_weight_buffer()
+            group.init_comm_group(config.backend, is_colocated=colocated)
+    except BaseException:
+        group.shutdown()
+        raise
+    return group

@@ -1,0 +1,125 @@
+"""Configuration dataclasses, with the seed's field names and early, named errors for bad combos."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLLOUT_MODES = ("sync", "async")
+BUFFER_TYPES = ("WeightBuffer", "CPUWeightBuffer", "ShardedWeightBuffer")
+BUFFER_STRATEGIES = ("None", "Double", "Shared", "Sharded")
+ROUTER_TYPES = ("simple", "node_affinity", "round_robin", "least_load", "power_of_two", "consistent_hash")
+
+
+@dataclass
+class WeightBufferConfig:
+    """Where received weights are staged before an eval policy applies them (seed names).
+
+    ``buffer_strategy``: "None" applies in place (the receiver is drained for the transfer),
+    "Double" stages a full private copy and swaps it in (serving goes on during the transfer),
+    "Shared" keeps one two-slot shared-memory buffer per node that every local eval policy reads
+    zero-copy (needs ``type="CPUWeightBuffer"``), "Sharded" needs ``type="ShardedWeightBuffer"``.
+    """
+
+    type: str = "WeightBuffer"
+    buffer_strategy: str = "Double"
+    bucket_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.type not in BUFFER_TYPES:
+            raise ValueError(f"weight_buffer.type {self.type!r} is unknown; valid: {', '.join(BUFFER_TYPES)}")
+        if self.buffer_strategy not in BUFFER_STRATEGIES:
+            raise ValueError(
+                f"weight_buffer.buffer_strategy {self.buffer_strategy!r} is unknown; "
+                f"valid: {', '.join(BUFFER_STRATEGIES)}"
+            )
+        if self.buffer_strategy == "Shared" and self.type != "CPUWeightBuffer":
+            raise ValueError(
+                f"weight_buffer.buffer_strategy 'Shared' needs type 'CPUWeightBuffer', got {self.type!r}"
+            )
+        if self.buffer_strategy == "Sharded" and self.type != "ShardedWeightBuffer":
+            raise ValueError(
+                f"weight_buffer.buffer_strategy 'Sharded' needs type 'ShardedWeightBuffer', got {self.type!r}"
+            )
+        if self.type == "ShardedWeightBuffer" and self.buffer_strategy != "Sharded":
+            raise ValueError(
+                f"weight_buffer.type 'ShardedWeightBuffer' needs buffer_strategy 'Sharded', "
+                f"got {self.buffer_strategy!r}"
+            )
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 512:
+            raise ValueError(f"weight_buffer.bucket_bytes must be an int >= 512, got {self.bucket_bytes!r}")
+
+
+@dataclass
+class PolicyConfig:
+    """The policy group's configuration (the seed's `PolicyConfig` fields, plus deadlines).
+
+    ``max_concurrency`` is the eval actors' Ray concurrency (the seed uses 16 in async mode;
+    sync mode needs more than 1 too, so that weights stream in while the actor serves).
+    Every blocking step is bounded: ``rpc_timeout_s`` for a control call, ``sync_timeout_s``
+    for a whole weight sync, ``group_timeout_s`` for creating a communication group.
+    """
+
+    rollout_mode: str = "sync"
+    router_type: str = "simple"
+    weight_buffer: WeightBufferConfig = field(default_factory=WeightBufferConfig)
+    train_num_gpus: float = 0.0
+    eval_num_gpus: float = 0.0
+    train_num_cpus: float = 0.0
+    eval_num_cpus: float = 0.0
+    max_concurrency: int = 16
+    eval_max_pending: int = 8
+    train_max_pending: int = 1
+    rpc_timeout_s: float = 120.0
+    sync_timeout_s: float = 300.0
+    group_timeout_s: float = 60.0
+    drain_timeout_s: float = 60.0
+    backend: str = "gloo"
+    component_distribution: dict[Any, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.weight_buffer, dict):
+            self.weight_buffer = WeightBufferConfig(**self.weight_buffer)
+        self.validate()
+
+    def validate(self) -> None:
+        if self.rollout_mode not in ROLLOUT_MODES:
+            raise ValueError(f"rollout_mode {self.rollout_mode!r} is unknown; valid: {', '.join(ROLLOUT_MODES)}")
+        if self.router_type not in ROUTER_TYPES:
+            raise ValueError(f"router_type {self.router_type!r} is unknown; valid: {', '.join(ROUTER_TYPES)}")
+        if not isinstance(self.weight_buffer, WeightBufferConfig):
+            raise TypeError(f"weight_buffer must be a WeightBufferConfig, got {type(self.weight_buffer).__name__}")
+        self.weight_buffer.validate()
+        for name in ("train_num_gpus", "eval_num_gpus", "train_num_cpus", "eval_num_cpus"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        for name in ("max_concurrency", "eval_max_pending", "train_max_pending"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("rpc_timeout_s", "sync_timeout_s", "group_timeout_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {self.backend!r} is unknown; valid: gloo, nccl")
+
+
+@dataclass
+class TrainConfig:
+    """What a train policy needs to set up its optimiser (user policies may read more fields)."""
+
+    lr: float = 1e-3
+    seed: int = 0
+    batch_size: int = 32
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"TrainConfig.batch_size must be an int >= 1, got {self.batch_size!r}")

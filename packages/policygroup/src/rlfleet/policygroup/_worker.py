@@ -1,0 +1,1059 @@
+"""`BasePolicy`: the worker side of a policy group (the seed's worker calls and NeMo RL's surface).
+
+A user subclasses it and supplies the model (`build_model`), the rollout step (`rollout_step`)
+and the training step (`train_step`); everything else (communication groups, receiving,
+staging and swapping weights, versions, checkpoints, offload, device facts, profiling) is here
+and works the same in a local object and in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import enum
+import os
+import platform
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlfleet.policygroup._config import PolicyConfig, TrainConfig
+from rlfleet.policygroup._errors import CommGroupError
+from rlfleet.policygroup._transport import (
+    bind_module,
+    broadcast_flat,
+    map_segment,
+    pack_into,
+    state_of,
+    unlink_segment,
+)
+from rlfleet.weightsync import (
+    Layout,
+    LayoutMismatchError,
+    SyncTimeoutError,
+    VersionError,
+    checksum,
+    fingerprint,
+    stand_down_armed_watchdogs,
+)
+
+
+class PolicyRole(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class ParallelMode(str, enum.Enum):
+    """The seed's group kinds (values equal rlfleet.placement's mode names)."""
+
+    GLOBAL = "global"
+    INTRA_NODE = "intra_node"
+    WEIGHT_TRANSFER = "weight_transfer"
+    TRAIN_DATA_PARALLEL = "train_data_parallel"
+
+
+class _ServeLock:
+    """Many rollouts read the model at once; a weight swap waits for them (bounded) and runs alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    def acquire_write(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._writer or self._readers:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise SyncTimeoutError(
+                        f"weight swap: {self._readers} rollout(s) still running after {timeout:.1f}s"
+                    )
+                self._cond.wait(left)
+            self._writer = True
+
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+    @property
+    def readers(self) -> int:
+        return self._readers
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except Exception:  # pragma: no cover - ray absent or not connected
+        pass
+    return "127.0.0.1"
+
+
+def _host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = page * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return total, int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total, page * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class BasePolicy:
+    """A train or eval policy worker; subclass it with a model, a rollout step and a train step.
+
+    Works as a plain object (single process) and as a Ray actor (`ray.remote(cls)`); the policy
+    group drives it either way. Eval weights live in flat slots: "None" has one slot written in
+    place, "Double" two private slots (serve one, receive into the other, swap by rebinding),
+    "Shared" two slots of one shared-memory file per node.
+    """
+
+    def __init__(
+        self,
+        config: PolicyConfig | None = None,
+        role: PolicyRole | str = PolicyRole.EVAL,
+        seed: int = 0,
+        index: int = 0,
+        device: str | None = None,
+    ) -> None:
+        torch.set_num_threads(1)
+        self.config = config if config is not None else PolicyConfig()
+        self.role = PolicyRole(role)
+        self.index = index
+        self.seed = seed
+        torch.manual_seed(seed)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() and self._wants_gpu() else "cpu"
+        self.device = torch.device(device)
+        self.model: torch.nn.Module = self.build_model().to(self.device)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.train_config: TrainConfig | None = None
+        self.env_meta: Any = None
+        self.eval_config: Any = None
+        self.dataset: Any = None
+        self.model_update_group: Any = None
+        self.pp_comm_group: Any = None
+        # serving
+        self._serve = _ServeLock()
+        self._count_lock = threading.Lock()
+        self._num_requests = 0
+        # distributed
+        self._rank = 0
+        self._world_size = 1
+        self._local_rank = 0
+        self._local_world_size = 1
+        self._store: Any = None
+        self._store_port: int | None = None
+        self._groups: dict[str, Any] = {}
+        self._groups_by_mode: dict[str, Any] = {}
+        self._group_ranks: dict[str, tuple[int, ...]] = {}
+        # weights
+        self._version = 0
+        self._layout: Layout | None = None
+        self._strategy = "None"
+        self._slots: list[torch.Tensor] = []
+        self._active = -1  # private slot the model is bound to (-1: the model's own storage)
+        self._staged: tuple[str, Any, int] | None = None  # (kind, where, version)
+        self._segments: dict[str, torch.Tensor] = {}
+        self._created_segments: set[str] = set()
+        self._send_flat: torch.Tensor | None = None
+        self._packed_version: int | None = None
+        self._update_done = threading.Event()
+        self._update_done.set()
+        # bookkeeping
+        self._timings: dict[str, list[float]] = {}
+        self._save_thread: threading.Thread | None = None
+        self._save_error: BaseException | None = None
+        self._profiler: Any = None
+        self._profile_dir: str | None = None
+        self._ref_model: torch.nn.Module | None = None
+        self._offloaded: dict[str, bool] = {"model": False, "optimizer": False, "grad": False}
+        self._finished = False
+
+    # ================================================================== user hooks
+    def build_model(self) -> torch.nn.Module:
+        """Return the policy's model (called once, in the worker)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    def rollout_step(self, env_ret: Any) -> Any:
+        """One policy response for one environment return (eval policies)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement rollout_step(env_ret)")
+
+    def train_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """One optimisation step on `batch` (train policies); returns scalar metrics."""
+        raise NotImplementedError(f"{type(self).__name__} must implement train_step(batch)")
+
+    def postprocess_step(self, *args: Any) -> Any:
+        """Post-process (env return, policy response); the default returns the last argument."""
+        return args[-1] if args else None
+
+    def build_optimizer(self, train_config: TrainConfig | None) -> torch.optim.Optimizer:
+        lr = train_config.lr if train_config is not None else 1e-3
+        return torch.optim.Adam(self.model.parameters(), lr=lr)
+
+    def policy_logits(self, model: torch.nn.Module, data: Mapping[str, Any]) -> torch.Tensor:
+        """Logits of `model` for `data` (default: `model(data["obs"])` or `model(data["input_ids"])`)."""
+        x = data["obs"] if "obs" in data else data["input_ids"]
+        out: torch.Tensor = model(x.to(self.device))
+        return out
+
+    def _wants_gpu(self) -> bool:
+        gpus = self.config.train_num_gpus if self.role == PolicyRole.TRAIN else self.config.eval_num_gpus
+        return gpus > 0
+
+    # ================================================================== seed lifecycle
+    def _timed(self, name: str, start: float) -> None:
+        entry = self._timings.setdefault(name, [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += time.perf_counter() - start
+
+    def init_eval(self, eval_config: Any = None, env_meta: Any = None) -> None:
+        self.eval_config = eval_config
+        self.env_meta = env_meta
+        self.model.eval()
+
+    def init_train(self, train_config: TrainConfig | None = None, env_meta: Any = None) -> None:
+        self.train_config = train_config
+        self.env_meta = env_meta
+        self.model.train()
+        self.optimizer = self.build_optimizer(train_config)
+        self._ref_model = None
+
+    def reset_training_state(
+        self, train_config: TrainConfig | None = None, env_meta: Any = None, seed: int | None = None
+    ) -> None:
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.init_train(train_config if train_config is not None else self.train_config, env_meta)
+
+    def print_timing_summary(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        summary = {
+            name: {"count": c, "total_s": t, "mean_s": t / c if c else 0.0}
+            for name, (c, t) in sorted(self._timings.items())
+        }
+        for name, s in summary.items():
+            print(
+                f"[{self.role.value}{self.index}] {name}: n={int(s['count'])} "
+                f"total={s['total_s']:.4f}s mean={s['mean_s'] * 1e3:.3f}ms"
+            )
+        if reset:
+            self._timings.clear()
+        return summary
+
+    def set_role(self, role: PolicyRole | str, index: int | None = None) -> None:
+        """Become a train or eval policy (role conversion); weights are kept."""
+        role = PolicyRole(role)
+        if index is not None:
+            self.index = index
+        if role == self.role:
+            return
+        if role == PolicyRole.TRAIN:
+            self._unbind_weights()  # give the trainer private, writable storage
+            self.release_weight_buffers()
+            self.role = role
+            self.model.train()
+        else:
+            self.role = role
+            self.optimizer = None
+            self.model.eval()
+
+    def get_role(self) -> str:
+        return self.role.value
+
+    # ================================================================== serving
+    def _enter(self) -> None:
+        with self._count_lock:
+            self._num_requests += 1
+        self._serve.acquire_read()
+
+    def _leave(self) -> None:
+        self._serve.release_read()
+        with self._count_lock:
+            self._num_requests -= 1
+
+    def _rollout(self, env_ret: Any) -> Any:
+        start = time.perf_counter()
+        self._enter()
+        try:
+            with torch.no_grad():
+                return self.rollout_step(env_ret)
+        finally:
+            self._leave()
+            self._timed("rollout", start)
+
+    def _rollout_async(self, env_ret: Any) -> Any:
+        return self._rollout(env_ret)
+
+    def _rollout_many(self, env_rets: Sequence[Any]) -> Any:
+        """Several requests in one call (one Ray task, one return object per request)."""
+        start = time.perf_counter()
+        self._enter()
+        try:
+            with torch.no_grad():
+                out = self.rollout_many_step(list(env_rets))
+        finally:
+            self._leave()
+            self._timed("rollout_many", start)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def rollout_many_step(self, env_rets: list[Any]) -> list[Any]:
+        """Responses for a list of env returns; override to batch them into one forward pass."""
+        return [self.rollout_step(x) for x in env_rets]
+
+    def _postprocess(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.postprocess_step(*args)
+        finally:
+            self._timed("postprocess", start)
+
+    def get_num_requests(self) -> int:
+        return self._num_requests
+
+    # ================================================================== training
+    def update_dataset(self, data: Any) -> int:
+        self.dataset = data
+        return len(data) if hasattr(data, "__len__") else 1
+
+    def train(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        if self.role != PolicyRole.TRAIN:
+            raise RuntimeError(f"train() called on {self.role.value} policy {self.index}")
+        if self.optimizer is None:
+            self.optimizer = self.build_optimizer(self.train_config)
+        start = time.perf_counter()
+        batch = args[0] if args else self.dataset
+        try:
+            return self.train_step(batch, *args[1:], **kwargs)
+        finally:
+            self._timed("train", start)
+
+    def _ddp_group(self) -> Any:
+        return self._groups_by_mode.get(ParallelMode.TRAIN_DATA_PARALLEL.value)
+
+    def allreduce_gradients(self) -> None:
+        """Average gradients over the train data-parallel group (call between backward and step)."""
+        group = self._ddp_group()
+        if group is None or not dist.is_initialized():
+            return
+        size = dist.get_world_size(group)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(size)
+
+    # ================================================================== weights: inspection
+    def get_param_fingerprint(self) -> dict[str, float]:
+        return fingerprint(state_of(self.model))
+
+    def get_weight_checksum(self) -> str:
+        return checksum(state_of(self.model))
+
+    def get_weight_version(self) -> int:
+        return self._version
+
+    def set_weight_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def get_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in state_of(self.model).items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, tensor in state_of(self.model).items():
+                tensor.copy_(state[name])
+
+    def get_weight_layout(self, bucket_bytes: int) -> dict[str, Any]:
+        return Layout.from_state_dict(state_of(self.model), bucket_bytes).to_dict()
+
+    # ================================================================== weights: buffers
+    def init_weight_buffer(
+        self,
+        shared_weight_buffer: Mapping[str, Any] | None = None,
+        *,
+        strategy: str | None = None,
+        layout: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Prepare to receive weights with `strategy` ("None", "Double" or "Shared").
+
+        `layout` is the sender's layout (JSON-safe dict); ours must match it exactly (an error
+        names the first parameter that differs). With "Shared", `shared_weight_buffer` names the
+        node's segment; the model binds to it at the first swap.
+        """
+        if strategy is None:
+            strategy = "Shared" if shared_weight_buffer is not None else self.config.weight_buffer.buffer_strategy
+        if strategy not in ("None", "Double", "Shared"):
+            raise ValueError(f"weight buffer strategy {strategy!r} is not supported by {type(self).__name__}")
+        bucket_bytes = self.config.weight_buffer.bucket_bytes
+        mine = Layout.from_state_dict(state_of(self.model), bucket_bytes if layout is None else int(layout["bucket_bytes"]))
+        if layout is not None:
+            theirs = Layout.from_dict(layout)
+            try:
+                mine.require_same(theirs)
+            except LayoutMismatchError as exc:
+                raise LayoutMismatchError(
+                    f"{self.role.value} policy {self.index}: model does not match the trainer's: {exc}",
+                    exc.parameter,
+                ) from None
+        self._unbind_weights()
+        self._layout = mine
+        self._strategy = strategy
+        self._staged = None
+        self._slots = []
+        self._active = -1
+        if strategy in ("None", "Double"):
+            n = 1 if strategy == "None" else 2
+            self._slots = [torch.empty(mine.padded_bytes, dtype=torch.uint8) for _ in range(n)]
+            pack_into(mine, state_of(self.model), self._slots[0])
+            with torch.no_grad():
+                bind_module(self.model, mine, self._slots[0])
+            self._active = 0
+        self._shared_name = None if shared_weight_buffer is None else str(shared_weight_buffer["name"])
+
+    def _unbind_weights(self) -> None:
+        """Give the model private storage again (before a role change or a buffer rebuild)."""
+        if self._layout is None or (self._active < 0 and not self._segments):
+            return
+        state = {k: v.clone() for k, v in state_of(self.model).items()}
+        fresh = torch.empty(self._layout.padded_bytes, dtype=torch.uint8)
+        pack_into(self._layout, state, fresh)
+        bind_module(self.model, self._layout, fresh)
+        self._slots = []
+        self._active = -1
+
+    def release_weight_buffers(self) -> int:
+        """Drop mapped segments and unlink those this worker created; returns how many unlinked."""
+        self._unbind_weights()
+        self._segments.clear()
+        removed = sum(1 for name in list(self._created_segments) if unlink_segment(name))
+        self._created_segments.clear()
+        self._layout = None if self.role == PolicyRole.TRAIN else self._layout
+        self._send_flat = None
+        self._packed_version = None
+        return removed
+
+    def _segment(self, name: str, layout: Layout, create: bool) -> torch.Tensor:
+        seg = self._segments.get(name)
+        nbytes = 2 * layout.padded_bytes
+        if seg is None or seg.numel() < nbytes:
+            seg = map_segment(name, nbytes, create=create)
+            self._segments[name] = seg
+            if create:
+                self._created_segments.add(name)
+        return seg
+
+    @staticmethod
+    def _slot_of(seg: torch.Tensor, layout: Layout, slot: int) -> torch.Tensor:
+        n = layout.padded_bytes
+        return seg[slot * n : (slot + 1) * n]
+
+    def _sender_layout(self, bucket_bytes: int) -> Layout:
+        if self._layout is None or self._layout.bucket_bytes != bucket_bytes:
+            self._layout = Layout.from_state_dict(state_of(self.model), bucket_bytes)
+            self._send_flat = None
+            self._packed_version = None
+        return self._layout
+
+    def _packed(self, version: int, bucket_bytes: int) -> torch.Tensor:
+        layout = self._sender_layout(bucket_bytes)
+        if self._send_flat is None:
+            self._send_flat = torch.empty(layout.padded_bytes, dtype=torch.uint8)
+        if self._packed_version != version:
+            pack_into(layout, state_of(self.model), self._send_flat)
+            self._packed_version = version
+        return self._send_flat
+
+    # ================================================================== weights: sender
+    def write_segment(self, name: str, version: int, bucket_bytes: int) -> str:
+        """Write this trainer's weights once into slot `version % 2` of the node segment `name`."""
+        layout = self._sender_layout(bucket_bytes)
+        seg = self._segment(name, layout, create=True)
+        target = self._slot_of(seg, layout, version % 2)
+        if self._packed_version == version and self._send_flat is not None:
+            target.copy_(self._send_flat)
+        else:
+            pack_into(layout, state_of(self.model), target)
+        return layout.digest
+
+    def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float) -> int:
+        """Broadcast this trainer's weights in weight-transfer group `group_id` (we are the root)."""
+        group = self._group(group_id)
+        flat = self._packed(version, bucket_bytes)
+        assert self._layout is not None
+        broadcast_flat(flat, self._layout, self._rank, group, timeout_s, f"send of v{version} in {group_id}")
+        return self._layout.padded_bytes
+
+    def send_weights_ipc(self) -> dict[str, torch.Tensor]:
+        """Colocated seed path: a CPU copy of the state dict (travels through the object store)."""
+        return self.get_state_dict()
+
+    # ================================================================== weights: receiver
+    def _require_layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError(
+                f"{self.role.value} policy {self.index}: init_weight_buffer() has not been called"
+            )
+        return self._layout
+
+    def _receive_target(self, version: int, shared_name: str | None) -> tuple[torch.Tensor, tuple[str, Any, int]]:
+        layout = self._require_layout()
+        if version <= self._version:
+            raise VersionError(f"{self.role.value} policy {self.index}: got v{version}, already at v{self._version}")
+        if self._strategy == "Shared":
+            name = shared_name or self._shared_name
+            if name is None:
+                raise RuntimeError("Shared strategy needs the node's segment name")
+            seg = self._segment(name, layout, create=True)
+            return self._slot_of(seg, layout, version % 2), ("segment", name, version)
+        if self._strategy == "None":
+            return self._slots[self._active], ("applied", self._active, version)
+        inactive = 1 - self._active
+        return self._slots[inactive], ("slot", inactive, version)
+
+    def stage_from_segment(self, name: str, version: int, *_deps: Any) -> int:
+        """Take version `version` from the node segment `name` (written by a local trainer)."""
+        layout = self._require_layout()
+        self._update_done.clear()
+        if self._strategy == "Shared":
+            self._segment(name, layout, create=False)
+            self._staged = ("segment", name, version)
+            return version
+        target, staged = self._receive_target(version, None)
+        src = self._slot_of(self._segment(name, layout, create=False), layout, version % 2)
+        self._write_locked(target, src, staged)
+        return version
+
+    def recv_broadcast(
+        self, group_id: str, src_rank: int, version: int, timeout_s: float, shared_name: str | None = None
+    ) -> int:
+        """Receive version `version` from `src_rank` in group `group_id` into the staging target."""
+        layout = self._require_layout()
+        self._update_done.clear()
+        target, staged = self._receive_target(version, shared_name)
+        group = self._group(group_id)
+        if staged[0] == "applied":  # "None": written in place; the group drained us first
+            self._serve.acquire_write(timeout_s)
+            try:
+                broadcast_flat(target, layout, src_rank, group, timeout_s, f"receive of v{version} in {group_id}")
+                self._version = version
+                self._update_done.set()
+            finally:
+                self._serve.release_write()
+            return version
+        broadcast_flat(target, layout, src_rank, group, timeout_s, f"receive of v{version} in {group_id}")
+        self._staged = staged
+        return version
+
+    def recv_weights_ipc(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> int:
+        """Colocated seed path: load a state dict that came through the object store."""
+        self._serve.acquire_write(self.config.drain_timeout_s)
+        try:
+            self.load_state_dict(state)
+            self._version = self._version + 1 if version is None else int(version)
+        finally:
+            self._serve.release_write()
+        return self._version
+
+    def _write_locked(self, target: torch.Tensor, src: torch.Tensor, staged: tuple[str, Any, int]) -> None:
+        if staged[0] == "applied":
+            self._serve.acquire_write(self.config.drain_timeout_s)
+            try:
+                target.copy_(src)
+                self._version = staged[2]
+                self._update_done.set()
+            finally:
+                self._serve.release_write()
+        else:
+            target.copy_(src)
+            self._staged = staged
+
+    def apply_staged(self, version: int | None = None, timeout_s: float | None = None) -> int:
+        """Swap the staged version in (rebind views: no copy); returns the version now served."""
+        staged = self._staged
+        if staged is None:
+            self._update_done.set()
+            return self._version
+        kind, where, staged_version = staged
+        if version is not None and staged_version != version:
+            raise VersionError(
+                f"{self.role.value} policy {self.index}: asked to apply v{version}, staged is v{staged_version}"
+            )
+        layout = self._require_layout()
+        self._serve.acquire_write(self.config.drain_timeout_s if timeout_s is None else timeout_s)
+        try:
+            if kind == "slot":
+                bind_module(self.model, layout, self._slots[where])
+                self._active = where
+            elif kind == "segment":
+                seg = self._segment(where, layout, create=False)
+                bind_module(self.model, layout, self._slot_of(seg, layout, staged_version % 2))
+            self._version = staged_version
+            self._staged = None
+        finally:
+            self._serve.release_write()
+            self._update_done.set()
+        return self._version
+
+    def notify_update_weights(self) -> int:
+        """Seed call: new weights are staged; apply them now (the group drains us first)."""
+        return self.apply_staged()
+
+    def wait_for_weight_update_done(self, timeout: float = 60.0) -> bool:
+        """True once no received version is waiting to be applied (False on timeout)."""
+        return self._update_done.wait(timeout) and self._staged is None
+
+    def get_staged_version(self) -> int | None:
+        return None if self._staged is None else self._staged[2]
+
+    # ================================================================== distributed
+    def _get_node_id(self) -> str:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                return str(ray.get_runtime_context().get_node_id())
+        except Exception:  # pragma: no cover
+            pass
+        return "local"
+
+    def _get_gpu_ids(self) -> list[int]:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ids = [int(i) for i in ray.get_gpu_ids()]
+                if ids:
+                    return ids
+        except Exception:  # pragma: no cover
+            pass
+        return [0]
+
+    def _get_addr_and_port(self) -> tuple[str, int]:
+        """Host a fresh rendezvous store here (the would-be rank 0) and return its address."""
+        ip = _node_ip()
+        self._close_store()
+        timeout = datetime.timedelta(seconds=self.config.group_timeout_s)
+        self._store = dist.TCPStore(ip, 0, None, True, timeout=timeout, wait_for_workers=False)
+        self._store_port = int(self._store.port)
+        return ip, self._store_port
+
+    def _close_store(self) -> None:
+        self._store = None
+        self._store_port = None
+
+    def _destroy_groups(self) -> None:
+        self._groups.clear()
+        self._groups_by_mode.clear()
+        self._group_ranks.clear()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # pragma: no cover - best effort
+                pass
+
+    def _join(self, store: Any, prefix: str, rank: int, ranks: Sequence[int], timeout_s: float, what: str) -> None:
+        """Everyone announces itself; a rank that does not within the deadline is named."""
+        store.set(f"{prefix}/joined/{rank}", b"1")
+        keys = [f"{prefix}/joined/{r}" for r in ranks]
+        end = time.monotonic() + timeout_s
+        while True:
+            missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+            if not missing:
+                return
+            if time.monotonic() >= end:
+                raise CommGroupError(
+                    f"{what}: rank(s) {missing} did not join within {timeout_s:.1f}s (seen from rank {rank})",
+                    tuple(missing),
+                )
+            time.sleep(0.005)
+
+    def init_distributed_env(
+        self,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        local_world_size: int,
+        master_addr: str,
+        master_port: int,
+        backend: str = "gloo",
+        timeout_s: float | None = None,
+        epoch: str = "0",
+    ) -> int:
+        """Join the world process group; bounded, naming the ranks that did not join."""
+        timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
+        self._destroy_groups()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if rank == 0 and self._store is not None and self._store_port == master_port:
+            store = self._store
+        else:
+            store = dist.TCPStore(master_addr, master_port, None, False, timeout=timeout)
+            self._store = store
+        prefix = f"rlfleet/{epoch}"
+        self._join(store, f"{prefix}/world", rank, range(world_size), timeout_s, "init_distributed_env")
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"{prefix}/pg", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+        self._prefix = prefix
+        self._rank = rank
+        self._world_size = world_size
+        self._local_rank = local_rank
+        self._local_world_size = local_world_size
+        self._groups["world"] = dist.group.WORLD
+        self._groups_by_mode[ParallelMode.GLOBAL.value] = dist.group.WORLD
+        return rank
+
+    def init_single_comm_group(
+        self,
+        ranks: Sequence[int],
+        mode: str | ParallelMode,
+        backend: str = "gloo",
+        group_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> bool:
+        """Create one process group among `ranks` (members only; a rank may be in many groups)."""
+        mode = mode.value if isinstance(mode, ParallelMode) else str(mode)
+        group_id = group_id or f"{mode}/{'-'.join(map(str, ranks))}"
+        ranks = [int(r) for r in ranks]
+        if self._rank not in ranks:
+            return False
+        timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
+        if not dist.is_initialized():
+            raise CommGroupError(f"group {group_id!r}: init_distributed_env() must come first")
+        self._join(self._store, f"{self._prefix}/group/{group_id}", self._rank, ranks, timeout_s, f"group {group_id!r}")
+        group = dist.new_group(
+            ranks,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=backend,
+            use_local_synchronization=True,
+        )
+        self._groups[group_id] = group
+        self._group_ranks[group_id] = tuple(ranks)
+        if mode != ParallelMode.WEIGHT_TRANSFER.value or mode not in self._groups_by_mode:
+            self._groups_by_mode[mode] = group
+        return True
+
+    def init_comm_groups(self, specs: Sequence[Mapping[str, Any]], backend: str, timeout_s: float) -> int:
+        """Create several groups in the given order (one RPC per actor instead of one per group)."""
+        made = 0
+        for spec in specs:
+            made += bool(
+                self.init_single_comm_group(
+                    spec["ranks"], spec["mode"], backend, group_id=spec["group_id"], timeout_s=timeout_s
+                )
+            )
+        return made
+
+    def _group(self, group_id: str) -> Any:
+        try:
+            return self._groups[group_id]
+        except KeyError:
+            raise CommGroupError(
+                f"rank {self._rank}: no communication group {group_id!r} (have {sorted(self._groups)})"
+            ) from None
+
+    def get_rank(self) -> int:
+        return self._rank
+
+    def get_groups(self) -> dict[str, list[int]]:
+        return {k: list(v) for k, v in self._group_ranks.items()}
+
+    def dist_barrier(self, mode: str | ParallelMode | None = None, timeout_s: float | None = None) -> None:
+        if not dist.is_initialized():
+            return
+        key = mode.value if isinstance(mode, ParallelMode) else mode
+        group = self._groups_by_mode.get(key) if key is not None else None
+        if key is not None and group is None:
+            return
+        timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
+        work = dist.barrier(group=group, async_op=True)
+        if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+            raise SyncTimeoutError(f"barrier on {key or 'world'} timed out after {timeout_s:.1f}s")
+
+    def init_collective(
+        self,
+        ip: str,
+        port: int,
+        world_size: int,
+        *,
+        train_world_size: int,
+        nccl_peer: str = "nemo",
+        rank: int | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """NeMo RL: join the trainers + inference model-update group at ip:port (gloo on CPU).
+
+        Train workers take ranks [0, train_world_size); inference workers follow them.
+        """
+        if rank is None:
+            rank = self.index if self.role == PolicyRole.TRAIN else train_world_size + self.index
+        if not 0 <= rank < world_size:
+            raise ValueError(f"init_collective: rank {rank} outside world_size {world_size}")
+        timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(ip, port, world_size, rank == 0, timeout=timeout)
+        self._join(store, "collective", rank, range(world_size), timeout_s, "init_collective")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        pg: Any
+        if backend == "gloo":
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("collective/pg", store), rank, world_size, timeout)
+        else:  # pragma: no cover - needs GPUs
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore("collective/pg", store), rank, world_size)
+        self.model_update_group = pg
+        self._collective_store = store
+
+    # ================================================================== NeMo RL worker surface
+    def is_alive(self) -> bool:
+        return True
+
+    def reset_peak_memory_stats(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak_reset_at = time.time()
+
+    def get_gpu_info(self) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(idx)
+            free, total = torch.cuda.mem_get_info(idx)
+            return {
+                "device": f"cuda:{idx}",
+                "name": props.name,
+                "uuid": self.report_device_id(),
+                "total_memory": int(total),
+                "free_memory": int(free),
+                "memory_allocated": int(torch.cuda.memory_allocated(idx)),
+                "max_memory_allocated": int(torch.cuda.max_memory_allocated(idx)),
+                "compute_capability": f"{props.major}.{props.minor}",
+                "node_id": self._get_node_id(),
+                "pid": os.getpid(),
+            }
+        total, free = _host_memory()
+        return {
+            "device": "cpu",
+            "name": platform.processor() or platform.machine(),
+            "uuid": self.report_device_id(),
+            "total_memory": total,
+            "free_memory": free,
+            "memory_allocated": sum(t.numel() * t.element_size() for t in state_of(self.model).values()),
+            "num_threads": torch.get_num_threads(),
+            "node_id": self._get_node_id(),
+            "pid": os.getpid(),
+        }
+
+    def report_device_id(self) -> str:
+        if self.device.type == "cuda":
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            uuid = str(torch.cuda.get_device_properties(idx).uuid)
+            return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        return f"CPU-{socket.gethostname()}-{self._get_node_id()[:12]}"
+
+    def get_free_memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        return _host_memory()[1]
+
+    def report_node_ip_and_gpu_id(self) -> tuple[str, int]:
+        gpu = self._get_gpu_ids()[0] if self.device.type == "cuda" else -1
+        return _node_ip(), gpu
+
+    def start_gpu_profiling(self, trace_dir: str | None = None) -> None:
+        if self._profiler is not None:
+            raise RuntimeError("profiling is already running")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile_dir = trace_dir or tempfile.mkdtemp(prefix="rlfleet-profile-")
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+        self._profiler.__enter__()
+
+    def stop_gpu_profiling(self) -> str | None:
+        """Stop the profiler; returns the path of the Chrome trace written (None if not running)."""
+        prof, self._profiler = self._profiler, None
+        if prof is None:
+            return None
+        prof.__exit__(None, None, None)
+        assert self._profile_dir is not None
+        path = os.path.join(self._profile_dir, f"{self.role.value}{self.index}-{os.getpid()}.json")
+        prof.export_chrome_trace(path)
+        return path
+
+    def stand_down_refit_watchdog(self) -> int:
+        return stand_down_armed_watchdogs()
+
+    def get_reference_policy_logprobs(
+        self, *, data: Mapping[str, Any], micro_batch_size: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Log-probs of `data`'s actions under the frozen reference copy of the policy.
+
+        `data["actions"]` ([B] or [B, T]) with `obs`: log-prob of each action. `input_ids`
+        alone ([B, T]): NeMo's convention, token i scored by the logits at i-1, position 0 is 0.
+        """
+        if self._ref_model is None:
+            self._ref_model = copy.deepcopy(self.model).eval()
+            for p in self._ref_model.parameters():
+                p.requires_grad_(False)
+        key = "obs" if "obs" in data else "input_ids"
+        n = int(data[key].shape[0])
+        mb = micro_batch_size or n or 1
+        outs = []
+        with torch.no_grad():
+            for start in range(0, n, mb):
+                part = {k: (v[start : start + mb] if torch.is_tensor(v) else v) for k, v in data.items()}
+                logp = torch.log_softmax(self.policy_logits(self._ref_model, part).float(), dim=-1)
+                if "actions" in part:
+                    actions = part["actions"].to(logp.device).long()
+                    outs.append(logp.gather(-1, actions.unsqueeze(-1)).squeeze(-1))
+                else:
+                    ids = part["input_ids"].to(logp.device).long()
+                    scored = logp[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+                    outs.append(torch.cat([torch.zeros_like(scored[:, :1]), scored], dim=1))
+        return {"reference_logprobs": torch.cat(outs).cpu()}
+
+    # ================================================================== checkpoints
+    def save_checkpoint(self, path: str, async_save: bool = False) -> str:
+        """Write model (+ optimizer) state to `path`; with `async_save` in a background thread."""
+        self.finalize_async_save()
+        state = {
+            "model": self.get_state_dict(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
+            "version": self._version,
+        }
+
+        def write() -> None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}"
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+
+        if not async_save:
+            write()
+            return path
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as exc:  # surfaced by finalize_async_save
+                self._save_error = exc
+
+        self._save_thread = threading.Thread(target=run, name="rlfleet-async-save", daemon=True)
+        self._save_thread.start()
+        return path
+
+    def load_checkpoint(self, path: str) -> int:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.load_state_dict(state["model"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        return int(state.get("version", 0))
+
+    def finalize_async_save(self, timeout: float = 600.0) -> None:
+        thread, self._save_thread = self._save_thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                self._save_thread = thread
+                raise TimeoutError(f"async checkpoint still writing after {timeout:.1f}s")
+        error, self._save_error = self._save_error, None
+        if error is not None:
+            raise RuntimeError(f"async checkpoint failed: {error}") from error
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        self.finalize_async_save()
+        self._finished = True
+
+    def shutdown(self) -> bool:
+        try:
+            self.finalize_async_save()
+        except Exception:
+            pass
+        if self._profiler is not None:
+            self.stop_gpu_profiling()
+        self.release_weight_buffers()
+        self._destroy_groups()
+        self.model_update_group = None
+        return True
+
+    # ================================================================== offload
+    def _move_optimizer(self, device: torch.device) -> None:
+        if self.optimizer is None:
+            return
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.device != device:
+                    state[k] = v.to(device)
+
+    def offload_model(self) -> None:
+        """Eval: move the model to host memory (a no-op move on CPU)."""
+        if self.device.type != "cpu" and self._active < 0:
+            self.model.to("cpu")
+        self._offloaded["model"] = True
+
+    def reload_model(self) -> None:
+        if self.device.type != "cpu" and self._active < 0:
+            self.model.to(self.device)
+        self._offloaded["model"] = False
+
+    def offload_optimizer(self) -> None:
+        self._move_optimizer(torch.device("cpu"))
+        self._offloaded["optimizer"] = True
+
+    def reload_optimizer(self) -> None:
+        self._move_optimizer(self.device)
+        self._offloaded["optimizer"] = False
+
+    def offload_model_param_and_grad(self, offload_grad: bool = True) -> None:
+        if self.device.type != "cpu":
+            for p in self.model.parameters():
+                p.data = p.data.to("cpu", non_blocking=True)
+                if offload_grad and p.grad is not None:
+                    p.grad = p.grad.to("cpu", non_blocking=True)
+        self._offloaded["model"] = True
+        self._offloaded["grad"] = offload_grad
+
+    def reload_model_param_and_grad(self, load_grad: bool = True) -> None:
+        if self.device.type != "cpu":
+            for p in self.model.parameters():
+                p.data = p.data.to(self.device, non_blocking=True)
+                if load_grad and p.grad is not None:
+                    p.grad = p.grad.to(self.device, non_blocking=True)
+        self._offloaded["model"] = False
+        self._offloaded["grad"] = False
+
+    def get_offload_state(self) -> dict[str, bool]:
+        return dict(self._offloaded)
+

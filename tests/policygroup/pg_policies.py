@@ -1,0 +1,76 @@
+"""Small torch policies for the policy-group tests (pickled by value into Ray workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlfleet.policygroup import BasePolicy
+
+OBS_DIM = 8
+ACTIONS = 4
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(1234)  # every worker starts from the same weights
+    return nn.Sequential(nn.Linear(OBS_DIM, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, ACTIONS))
+
+
+class MLPPolicy(BasePolicy):
+    """A few MLP layers; rollouts return logits so tests can tell which weights served them."""
+
+    def build_model(self) -> nn.Module:
+        return make_model()
+
+    def rollout_step(self, env_ret: Any) -> dict[str, Any]:
+        obs = torch.as_tensor(env_ret, dtype=torch.float32).reshape(-1, OBS_DIM)
+        logits = self.model(obs)
+        return {
+            "action": int(logits.argmax(-1)[0]),
+            "logits": logits[0].tolist(),
+            "version": self.get_weight_version(),
+            "worker": self.index,
+            "pid": os.getpid(),
+            "node": self._get_node_id(),
+        }
+
+    def train_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
+        assert self.optimizer is not None
+        g = torch.Generator().manual_seed(int(kwargs.get("seed", 0)))
+        x = torch.randn(16, OBS_DIM, generator=g)
+        target = torch.randn(16, ACTIONS, generator=g)
+        self.optimizer.zero_grad()
+        loss = ((self.model(x) - target) ** 2).mean()
+        loss.backward()
+        self.allreduce_gradients()
+        self.optimizer.step()
+        return {"loss": float(loss.detach())}
+
+    # test hooks
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def die(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class NoopPolicy(BasePolicy):
+    """No model work at all: measures the group's own overhead."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Linear(1, 1)
+
+    def rollout_step(self, env_ret: Any) -> Any:
+        return env_ret
+
+    def rollout_many_step(self, env_rets: list[Any]) -> list[Any]:
+        return env_rets
+
+    def train_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return {}
