@@ -134,12 +134,16 @@ class Router(Generic[W], abc.ABC):
 
     # ------------------------------------------------------------------ hot path
     def _try_select(self, key: Hashable | None) -> W | None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # acquire/release: cheaper than `with` on the hot path
+        try:
             st = self._pick(key)
             if st is None:
                 return None
             self._total += 1
             return st.key
+        finally:
+            lock.release()
 
     def select(self, key: Hashable | None = None, *, timeout: float | None = None) -> W:
         """Pick a worker for one request (keyed by session / env id if the router uses keys).
@@ -177,7 +181,9 @@ class Router(Generic[W], abc.ABC):
 
     def release(self, worker: W) -> None:
         """A request on `worker` finished. Works on draining and on removed workers too."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             st = self._states.get(worker)
             if st is None:
                 raise UnknownWorkerError(f"release({worker!r}): worker is not known to this router")
@@ -189,6 +195,8 @@ class Router(Generic[W], abc.ABC):
                 self._on_release(st)
             elif not st.active and st.load == 0:
                 del self._states[worker]
+        finally:
+            lock.release()
         if self._waiters:
             self._wake()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Hashable, Iterable
@@ -14,6 +15,10 @@ from rlfleet.routing._index import Pool, least_loaded
 def stable_hash(data: str) -> int:
     """64-bit hash that is the same in every process (Python's `hash()` is salted per process)."""
     return int.from_bytes(hashlib.blake2b(data.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+# Session / env ids repeat request after request: remember their ring positions.
+_key_hash = functools.lru_cache(maxsize=1 << 16)(stable_hash)
 
 
 class ConsistentHashRouter(Router[W]):
@@ -109,7 +114,7 @@ class ConsistentHashRouter(Router[W]):
             limit = cap
         ring = self._ring_workers
         n = len(ring)
-        start = bisect.bisect_left(self._ring_hashes, stable_hash(str(key)))
+        start = bisect.bisect_left(self._ring_hashes, _key_hash(str(key)))
         for step in range(n):
             st = ring[(start + step) % n]
             if st.selectable and st.group == best and st.load < limit:
@@ -126,7 +131,7 @@ class ConsistentHashRouter(Router[W]):
                 self._rebuild()
             ring = self._ring_workers
             n = len(ring)
-            start = bisect.bisect_left(self._ring_hashes, stable_hash(str(key)))
+            start = bisect.bisect_left(self._ring_hashes, _key_hash(str(key)))
             for step in range(n):
                 st = ring[(start + step) % n]
                 if st.selectable and st.group == best:

@@ -80,10 +80,17 @@ class LoadHeap(Generic[W]):
         """`st.load` went down by one: give it a live entry at the new load."""
         heap = self.heaps[st.group]
         heappush(heap, (st.load, st.index))
-        members = self.members[st.group]
-        if len(heap) > 2 * len(members) + _SLACK:
-            heap[:] = [(m.load, i) for i, m in members.items()]
-            heapify(heap)
+        if len(heap) > 2 * len(self.members[st.group]) + _SLACK:
+            self.compact(st.group)
+
+    def limit(self, group: int) -> int:
+        """Heap length above which `group`'s heap is rebuilt without stale entries."""
+        return 2 * len(self.members[group]) + _SLACK
+
+    def compact(self, group: int) -> None:
+        heap = self.heaps[group]
+        heap[:] = [(m.load, i) for i, m in self.members[group].items()]
+        heapify(heap)
 
 
 def _index_of(st: _Worker[W]) -> int:

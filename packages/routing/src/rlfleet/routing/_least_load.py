@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Iterable, Sequence
+from heapq import heappop, heappush, heapreplace
 from typing import SupportsInt
 
 from rlfleet.routing._base import Router, W, _Worker
@@ -68,27 +69,77 @@ class LeastLoadRouter(Router[W]):
     def _on_release(self, st: _Worker[W]) -> None:
         self._heap.released(st)
 
-    # The hot path, inlined: one lock round-trip and one heap operation per call.
+    # The hot path, inlined (LoadHeap.pop_min / LoadHeap.released): one lock round-trip and
+    # one heap operation per call; acquire/release is cheaper than `with` on CPython.
     def select(self, key: Hashable | None = None, *, timeout: float | None = None) -> W:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             best = self._best
             if best is not None:
-                st = self._heap.pop_min(best, self._cap)
-                if st is not None:
-                    self._total += 1
-                    return st.key
+                heap = self._heap.heaps[best]
+                members = self._heap.members[best]
+                cap = self._cap
+                while heap:
+                    load, idx = heap[0]
+                    st = members.get(idx)
+                    if st is not None and st.load == load:
+                        if cap is not None and load >= cap:
+                            break
+                        st.load = load + 1
+                        heapreplace(heap, (load + 1, idx))
+                        self._total += 1
+                        return st.key
+                    heappop(heap)  # stale entry
+        finally:
+            lock.release()
         return super().select(key, timeout=timeout)
 
+    def assign(self, keys: Iterable[Hashable | None] | int, *, timeout: float | None = None) -> list[W]:
+        # One lock round-trip for the whole batch when every request fits right away.
+        batch: list[Hashable | None] | int
+        if isinstance(keys, int):
+            batch = count = keys
+        else:
+            batch = list(keys)
+            count = len(batch)
+        if count > 0 and not isinstance(keys, bool):
+            with self._lock:
+                best = self._best
+                if best is not None:
+                    pop_min = self._heap.pop_min
+                    cap = self._cap
+                    picked: list[_Worker[W]] = []
+                    for _ in range(count):
+                        st = pop_min(best, cap)
+                        if st is None:
+                            break
+                        picked.append(st)
+                    if len(picked) == count:
+                        self._total += count
+                        return [st.key for st in picked]
+                    released = self._heap.released
+                    for st in picked:  # undo, then take the general path (waits, errors)
+                        st.load -= 1
+                        released(st)
+        return super().assign(batch, timeout=timeout)
+
     def release(self, worker: W) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
+            fast = False
             st = self._states.get(worker)
             if st is not None and st.load > 0 and st.selectable:
-                st.load -= 1
-                self._total -= 1
-                self._heap.released(st)
                 fast = True
-            else:
-                fast = False
+                st.load = load = st.load - 1
+                self._total -= 1
+                heap = self._heap.heaps[st.group]
+                heappush(heap, (load, st.index))
+                if len(heap) > self._heap.limit(st.group):
+                    self._heap.compact(st.group)
+        finally:
+            lock.release()
         if not fast:
             super().release(worker)  # errors, draining and removed workers
         elif self._waiters:

@@ -210,11 +210,15 @@ class NodeAffinityRouter(Router[W]):
         if key is not None:
             node = self._nodes.get(self._resolve(key))
             if node is not None:
-                with node.lock:
+                lock = node.lock
+                lock.acquire()
+                try:
                     st: _Worker[W] | None = node.heap.pop_min(best, self._cap)
                     if st is not None:
                         node.total += 1
                         return st.key
+                finally:
+                    lock.release()
         return self._fallback(best)
 
     def _fallback(self, best: int) -> W | None:
@@ -240,7 +244,9 @@ class NodeAffinityRouter(Router[W]):
         if st is None:
             raise UnknownWorkerError(f"release({worker!r}): worker is not known to this router")
         node: _Node = st.slot
-        with node.lock:
+        lock = node.lock
+        lock.acquire()
+        try:
             if st.load <= 0:
                 raise NotInFlightError(f"release({worker!r}): worker has no request in flight")
             st.load -= 1
@@ -249,6 +255,8 @@ class NodeAffinityRouter(Router[W]):
                 node.heap.released(st)
             elif not st.active and st.load == 0 and self._states.get(worker) is st:
                 del self._states[worker]
+        finally:
+            lock.release()
         if self._waiters:
             self._wake()
 
