@@ -1,0 +1,34 @@
+"""Error classes: every bad input raises a ValueError subclass that names the offending entry."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "ColocatedSizeError",
+    "EmptyEvalNodeError",
+    "PlacementError",
+    "TopologyError",
+]
+
+
+class PlacementError(ValueError):
+    """Bad input to rlfleet.placement (a ValueError, so generic callers can catch it)."""
+
+
+class TopologyError(PlacementError):
+    """A topology spec or query is malformed: unknown vertex, bad bandwidth, duplicate id, ..."""
+
+
+class CapacityError(PlacementError):
+    """The topology has too few devices for the requested workers; the message says what is short."""
+
+
+class ColocatedSizeError(PlacementError, AssertionError):
+    """More eval than train workers in colocated mode.
+
+    The seed signals this with ``assert``; subclassing AssertionError keeps seed callers working.
+    """
+
+
+class EmptyEvalNodeError(PlacementError, IndexError):
+    """A node listed as an eval node holds no eval policy (the seed fails here with IndexError)."""
