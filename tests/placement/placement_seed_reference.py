@@ -3,10 +3,12 @@ seed-equivalence tests. Only the logger calls and Ray plumbing are removed; do n
 """
 
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Any
 
 
-def build_transfer_info_for_disaggregated(placement_info: Dict[str, Dict[str, List]], weight_buffer_strategy: str):
+def build_transfer_info_for_disaggregated(
+    placement_info: dict[str, dict[str, list]], weight_buffer_strategy: str
+):
     # init transfer info
     router_map = {}
     transfer_info = {}
@@ -62,9 +64,11 @@ def build_transfer_info_for_disaggregated(placement_info: Dict[str, Dict[str, Li
     return transfer_info
 
 
-def build_transfer_info_for_colocated(train_list: List[Any], eval_list: List[Any]):
+def build_transfer_info_for_colocated(train_list: list[Any], eval_list: list[Any]):
     transfer_info_list = []
-    assert len(train_list) >= len(eval_list), "train_list must have more policies than eval_list for colocated mode"
+    assert len(train_list) >= len(eval_list), (
+        "train_list must have more policies than eval_list for colocated mode"
+    )
     # here we assume the train_list and eval_list are in the same order
     for idx, policy in enumerate(eval_list):
         transfer_info_item = {
@@ -75,9 +79,9 @@ def build_transfer_info_for_colocated(train_list: List[Any], eval_list: List[Any
     return {"all": transfer_info_list}
 
 
-def init_placement_info(train_list: List[Any], eval_list: List[Any], node_of: Dict[Any, Any]) -> Dict:
-    """The seed's init_placement_info loop with ``ray.get(policy._get_node_id.remote())`` replaced by a lookup."""
-    placement_info: Dict = {}
+def init_placement_info(train_list: list[Any], eval_list: list[Any], node_of: dict[Any, Any]) -> dict:
+    """The seed's init_placement_info loop, ``ray.get(policy._get_node_id.remote())`` replaced by a lookup."""
+    placement_info: dict = {}
     for policy in train_list:
         node_id = node_of[policy]
         if node_id not in placement_info:
@@ -98,16 +102,16 @@ def init_placement_info(train_list: List[Any], eval_list: List[Any], node_of: Di
 
 
 def init_comm_group(
-    all_policies: List[Any],
-    train_list: List[Any],
-    node_of: Dict[Any, Any],
-    gpu_of: Dict[Any, Any],
-    transfer_info: Dict,
+    all_policies: list[Any],
+    train_list: list[Any],
+    node_of: dict[Any, Any],
+    gpu_of: dict[Any, Any],
+    transfer_info: dict,
     weight_buffer_strategy: str,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """The seed's init_comm_group with each remote call replaced by a lookup; returns what it would
     create: ranks, local ranks, every group creation call in order, and the rendezvous actor."""
-    calls: List[Any] = []
+    calls: list[Any] = []
     actors_by_node = defaultdict(list)
     for policy in all_policies:
         node_id = node_of[policy]
@@ -131,12 +135,13 @@ def init_comm_group(
         calls.append(("INTRA_NODE", intra_node_ranks))
 
     if weight_buffer_strategy != "None" and transfer_info:
-        for node_id, info in transfer_info.items():
+        for node_id, info in transfer_info.items():  # noqa: B007 (kept as in the seed)
             for transfer_info_item in info:
                 if len(transfer_info_item["receiver"]) == 0:
                     continue
                 weight_transfer_ranks = [
-                    rank_of[policy] for policy in [transfer_info_item["sender"]] + transfer_info_item["receiver"]
+                    rank_of[policy]
+                    for policy in [transfer_info_item["sender"]] + transfer_info_item["receiver"]
                 ]
                 calls.append(("WEIGHT_TRANSFER", weight_transfer_ranks))
 

@@ -142,7 +142,11 @@ BAD_SPECS = [
     ("bad link kind", _mutate(["links", 3, "kind"], "wifi"), ["links[3]", "'wifi'"]),
     ("self loop", _mutate(["links", 3, "b"], "a/gpu1"), ["links[3]", "itself"]),
     ("duplicate node", _mutate(["nodes", 1, "id"], "a"), ["nodes[1]", "duplicate", "'a'"]),
-    ("duplicate device", _mutate(["nodes", 0, "devices", 1, "id"], "gpu0"), ["nodes[0].devices[1]", "a/gpu0"]),
+    (
+        "duplicate device",
+        _mutate(["nodes", 0, "devices", 1, "id"], "gpu0"),
+        ["nodes[0].devices[1]", "a/gpu0"],
+    ),
     ("device kind", _mutate(["nodes", 0, "devices", 1, "kind"], "tpu"), ["nodes[0].devices[1]", "'tpu'"]),
     ("int node id", _mutate(["nodes", 0, "id"], 7), ["nodes[0]", "7"]),
     ("slash in id", _mutate(["nodes", 0, "id"], "a/b"), ["nodes[0]", "'a/b'"]),

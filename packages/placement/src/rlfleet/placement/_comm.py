@@ -123,9 +123,9 @@ class CommGroupPlan:
         }
 
 
-def _items(transfer: Mapping[Any, Sequence[Mapping[str, Any]]] | Iterable[Mapping[str, Any]] | None) -> list[
-    tuple[Hashable | None, int, Mapping[str, Any]]
-]:
+def _items(
+    transfer: Mapping[Any, Sequence[Mapping[str, Any]]] | Iterable[Mapping[str, Any]] | None,
+) -> list[tuple[Hashable | None, int, Mapping[str, Any]]]:
     if transfer is None:
         return []
     out: list[tuple[Hashable | None, int, Mapping[str, Any]]] = []
@@ -138,7 +138,9 @@ def _items(transfer: Mapping[Any, Sequence[Mapping[str, Any]]] | Iterable[Mappin
             out.append((None, i, item))
     for node_id, i, item in out:
         if not isinstance(item, Mapping) or "sender" not in item or "receiver" not in item:
-            raise PlacementError(f"transfer item {i} of {node_id!r} needs 'sender' and 'receiver' keys: {item!r}")
+            raise PlacementError(
+                f"transfer item {i} of {node_id!r} needs 'sender' and 'receiver' keys: {item!r}"
+            )
     return out
 
 
@@ -202,7 +204,10 @@ def plan_comm_groups(
             if len(receivers) == 0:
                 continue
             sender = lookup(item["sender"], f"sender of transfer item {i} of {node_id!r}")
-            members = (sender, *(lookup(r, f"receiver of transfer item {i} of {node_id!r}") for r in receivers))
+            members = (
+                sender,
+                *(lookup(r, f"receiver of transfer item {i} of {node_id!r}") for r in receivers),
+            )
             groups.append(CommGroup(f"{WEIGHT_TRANSFER}/{count}", WEIGHT_TRANSFER, members, node_id, sender))
             count += 1
     if train_ids:

@@ -42,7 +42,7 @@ def build_plan(
     link_of = topology.link
     routes = [topology.route(src, dst) for src, dst, _o, _n, _a in raw]
     loads: dict[tuple[str, str], int] = {}
-    for (_s, _d, _o, nbytes, _a), route in zip(raw, routes):
+    for (_s, _d, _o, nbytes, _a), route in zip(raw, routes, strict=True):
         for link in route:
             loads[link] = loads.get(link, 0) + nbytes
     # per directed link: (seconds busy, latency, bandwidth, kind)
@@ -57,7 +57,7 @@ def build_plan(
     chunks: list[int] = []  # each step's share of one bucket-sized wave of the model
     node_of = topology.node_of
     owner = {v: node_of(v) for v in {x for src, dst, *_ in raw for x in (src, dst)}}
-    for index, ((src, dst, offset, nbytes, after), route) in enumerate(zip(raw, routes)):
+    for index, ((src, dst, offset, nbytes, after), route) in enumerate(zip(raw, routes, strict=True)):
         if after is not None and not 0 <= after < index:
             raise ValueError(f"step {index}: 'after' must name an earlier step, got {after}")
         if route:

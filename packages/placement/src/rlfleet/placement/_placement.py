@@ -8,7 +8,7 @@ is ready (for example by reading each bundle's node id).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +40,13 @@ class WorkerPlacement:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise PlacementError(f"worker {self.worker_id!r}: role must be one of {list(ROLES)}, got {self.role!r}")
+            raise PlacementError(
+                f"worker {self.worker_id!r}: role must be one of {list(ROLES)}, got {self.role!r}"
+            )
         if not isinstance(self.node, str) or not isinstance(self.device, str):
             raise PlacementError(
-                f"worker {self.worker_id!r}: node and device must be strings, got {self.node!r}, {self.device!r}"
+                f"worker {self.worker_id!r}: node and device must be strings, "
+                f"got {self.node!r}, {self.device!r}"
             )
 
 
@@ -83,7 +86,8 @@ class Placement:
             seen.add(w.worker_id)
             if w.bundle_index is not None and not 0 <= w.bundle_index < len(self.bundles):
                 raise PlacementError(
-                    f"worker {w.worker_id!r}: bundle_index {w.bundle_index} outside 0..{len(self.bundles) - 1}"
+                    f"worker {w.worker_id!r}: bundle_index {w.bundle_index} "
+                    f"outside 0..{len(self.bundles) - 1}"
                 )
         if self.strategy is not None and self.strategy not in RAY_STRATEGIES:
             raise PlacementError(f"strategy must be one of {list(RAY_STRATEGIES)}, got {self.strategy!r}")
@@ -165,7 +169,7 @@ def _capacity_error(need: int, what: str, topology: Topology, device_kind: str) 
 
 
 def _build(
-    workers: list[tuple[Hashable, str, str, str]], strategy: str, cpus_per_worker: float, device_kind: str
+    workers: Sequence[tuple[Hashable, str, str, str]], strategy: str, cpus_per_worker: float, device_kind: str
 ) -> Placement:
     """One bundle per distinct device, in first-use order, sized for the workers that share it."""
     index: dict[tuple[str, str], int] = {}
@@ -179,7 +183,7 @@ def _build(
             count.append(0)
         count[index[key]] += 1
     gpu = 1.0 if device_kind == "gpu" else 0.0
-    bundles = tuple(Bundle(n, d, cpus_per_worker * c, gpu) for (n, d), c in zip(slots, count))
+    bundles = tuple(Bundle(n, d, cpus_per_worker * c, gpu) for (n, d), c in zip(slots, count, strict=True))
     placed = tuple(WorkerPlacement(wid, role, n, d, index[(n, d)]) for wid, role, n, d in workers)
     return Placement(placed, strategy, bundles)
 
@@ -244,7 +248,7 @@ def place_disaggregated(
         for node, dev in slots:
             free.setdefault(node, []).append(dev)
         order = [n for n in topology.nodes if n in free]
-        cursor = {n: 0 for n in order}
+        cursor = dict.fromkeys(order, 0)
         workers = []
         k = 0
         for wid, role in ids:

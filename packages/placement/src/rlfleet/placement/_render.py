@@ -31,6 +31,12 @@ def _human(nbytes: float) -> str:
     return f"{nbytes:.3g} TB"  # pragma: no cover
 
 
+def _title(plan: TransferPlan) -> str:
+    return (
+        f"{plan.name}: predicted {plan.predicted_seconds:.4g} s, lower bound {plan.lower_bound_seconds:.4g} s"
+    )
+
+
 def _vertices(plan: TransferPlan) -> dict[str, list[str]]:
     """Vertices touched by the plan, grouped by node, in first-use order."""
     by_node: dict[str, list[str]] = {}
@@ -55,7 +61,7 @@ def plan_to_dot(plan: TransferPlan) -> str:
     lines = [
         "digraph transfer_plan {",
         "  rankdir=LR;",
-        f"  label={_quote(f'{plan.name}: predicted {plan.predicted_seconds:.4g} s, lower bound {plan.lower_bound_seconds:.4g} s')};",
+        f"  label={_quote(_title(plan))};",
         "  node [shape=box, style=filled, fontsize=10];",
     ]
     for i, (node, vertices) in enumerate(_vertices(plan).items()):
@@ -65,7 +71,9 @@ def plan_to_dot(plan: TransferPlan) -> str:
             role = "train" if v in sources else "eval" if v in receivers else "relay"
             colour = {"train": "#F4A582", "eval": "#92C5DE", "relay": "#E0E0E0"}[role]
             label = v.split("/", 1)[1] if "/" in v else "host"
-            lines.append(f"    {_quote(v)} [label={_quote(f'{label} ({role})')}, fillcolor={_quote(colour)}];")
+            lines.append(
+                f"    {_quote(v)} [label={_quote(f'{label} ({role})')}, fillcolor={_quote(colour)}];"
+            )
         lines.append("  }")
     for (src, dst, stage), nbytes in _edges(plan).items():
         colour = _stage_colour(stage)
@@ -120,11 +128,18 @@ def draw_plan(plan: TransferPlan, path: Path) -> Path:
         ("relay", "#999999", [v for v in pos if v not in sources and v not in receivers]),
     ):
         if members:
-            ax.scatter([pos[v][0] for v in members], [pos[v][1] for v in members], s=14, c=colour, label=role, zorder=3)
+            ax.scatter(
+                [pos[v][0] for v in members],
+                [pos[v][1] for v in members],
+                s=14,
+                c=colour,
+                label=role,
+                zorder=3,
+            )
     handles = [Line2D([0], [0], color=_stage_colour(s), label=f"stage {s}") for s in sorted(by_stage)[:8]]
     ax.legend(handles=ax.get_legend_handles_labels()[0] + handles, fontsize=7, loc="upper right")
     ax.set_title(
-        f"{plan.name}: predicted {plan.predicted_seconds:.4g} s, lower bound {plan.lower_bound_seconds:.4g} s",
+        _title(plan),
         fontsize=9,
     )
     ax.set_aspect("equal")

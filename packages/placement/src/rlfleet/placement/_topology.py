@@ -8,6 +8,7 @@ contain ``/`` so these names never collide. Every link is full duplex: ``bandwid
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -144,7 +145,9 @@ class Topology:
         self._sig_paths: dict[tuple[tuple[Any, ...], str], tuple[dict[str, float], dict[str, list[str]]]] = {}
         self._vertex_port: dict[str, Port | None] = {}
         self._port_sig: dict[str, tuple[tuple[str, float, float], ...]] = {}
-        self._sig_port: dict[tuple[tuple[Any, ...], tuple[tuple[str, float, float], ...], str], int | None] = {}
+        self._sig_port: dict[
+            tuple[tuple[Any, ...], tuple[tuple[str, float, float], ...], str], int | None
+        ] = {}
         self._fabric: Any = None
         self._fabric_paths: dict[tuple[str, str], list[str] | None] = {}
 
@@ -186,9 +189,13 @@ class Topology:
         if link.kind not in LINK_KINDS:
             raise TopologyError(f"{where}: link kind must be one of {list(LINK_KINDS)}, got {link.kind!r}")
         if not _is_number(link.bandwidth) or not math.isfinite(link.bandwidth) or link.bandwidth <= 0:
-            raise TopologyError(f"{where}: bandwidth must be a positive finite number, got {link.bandwidth!r}")
+            raise TopologyError(
+                f"{where}: bandwidth must be a positive finite number, got {link.bandwidth!r}"
+            )
         if not _is_number(link.latency) or not math.isfinite(link.latency) or link.latency < 0:
-            raise TopologyError(f"{where}: latency must be a non-negative finite number, got {link.latency!r}")
+            raise TopologyError(
+                f"{where}: latency must be a non-negative finite number, got {link.latency!r}"
+            )
         if self._graph.has_edge(link.a, link.b):
             raise TopologyError(f"{where}: duplicate link between {link.a!r} and {link.b!r}")
         weight = link.latency + _REF_BYTES / link.bandwidth
@@ -247,7 +254,9 @@ class Topology:
             _check_keys(entry, ("a", "b", "kind", "bandwidth", "latency"), where)
             a, b = entry.get("a"), entry.get("b")
             if not isinstance(a, str) or not isinstance(b, str):
-                raise TopologyError(f"{where}: endpoints 'a' and 'b' must be vertex id strings, got {a!r}, {b!r}")
+                raise TopologyError(
+                    f"{where}: endpoints 'a' and 'b' must be vertex id strings, got {a!r}, {b!r}"
+                )
             for key in ("kind", "bandwidth"):
                 if key not in entry:
                     raise TopologyError(f"{where} ({a!r} - {b!r}): missing {key!r}")
@@ -259,11 +268,15 @@ class Topology:
         """The plain-dict form: ``Topology.from_spec(t.to_spec())`` rebuilds an equal topology."""
         return {
             "nodes": [
-                {"id": node, "devices": [{"id": self._devices[v].id, "kind": self._devices[v].kind} for v in devs]}
+                {
+                    "id": node,
+                    "devices": [{"id": self._devices[v].id, "kind": self._devices[v].kind} for v in devs],
+                }
                 for node, devs in self._nodes.items()
             ],
             "switches": [
-                {"id": s.id} if s.node is None else {"id": s.id, "node": s.node} for s in self._switches.values()
+                {"id": s.id} if s.node is None else {"id": s.id, "node": s.node}
+                for s in self._switches.values()
             ],
             "links": [
                 {"a": ln.a, "b": ln.b, "kind": ln.kind, "bandwidth": ln.bandwidth, "latency": ln.latency}
@@ -318,7 +331,9 @@ class Topology:
                 topo._add_switch(nvs, where)
             for dev in devs:
                 if use_nvswitch:
-                    topo._add_link(Link(dev, f"{node}/nvswitch", "nvlink", nvlink_bandwidth, nvlink_latency), where)
+                    topo._add_link(
+                        Link(dev, f"{node}/nvswitch", "nvlink", nvlink_bandwidth, nvlink_latency), where
+                    )
                 topo._add_link(Link(dev, node, "pcie", pcie_bandwidth, pcie_latency), where)
                 if nic_per == "gpu":
                     topo._add_link(Link(dev, fabric.vertex, "network", nic_bandwidth, nic_latency), where)
@@ -351,9 +366,7 @@ class Topology:
             vertices: Sequence[str] = self._nodes[node]
         else:
             vertices = list(self._devices)
-        return tuple(
-            self._devices[v] for v in vertices if kind is None or self._devices[v].kind == kind
-        )
+        return tuple(self._devices[v] for v in vertices if kind is None or self._devices[v].kind == kind)
 
     def _check_node(self, node: str) -> None:
         if node not in self._nodes:
@@ -452,8 +465,8 @@ class Topology:
         ps = self._nearest_port(src) if ns is not None else None
         pd = self._nearest_port(dst) if nd is not None else None
         if (ns is None or ps is not None) and (nd is None or pd is not None):
-            head = self._intra_path(ns, src, ps.local) + [ps.remote] if ns is not None and ps else [src]
-            tail = [pd.remote] + self._intra_path(nd, pd.local, dst) if nd is not None and pd else [dst]
+            head = [*self._intra_path(ns, src, ps.local), ps.remote] if ns is not None and ps else [src]
+            tail = [pd.remote, *self._intra_path(nd, pd.local, dst)] if nd is not None and pd else [dst]
             middle = self._fabric_path(head[-1], tail[0])
             if middle is not None:
                 path = head[:-1] + middle + tail[1:]
@@ -470,7 +483,10 @@ class Topology:
         if sig is None:
             local = self._local_name
             sig = tuple(
-                sorted((*sorted((local[ln.a], local[ln.b])), ln.kind, ln.bandwidth, ln.latency) for ln in self._internal[node])
+                sorted(
+                    (*sorted((local[ln.a], local[ln.b])), ln.kind, ln.bandwidth, ln.latency)
+                    for ln in self._internal[node]
+                )
             )
             self._sig_of[node] = sig
             if sig not in self._sig_graph:
@@ -554,4 +570,4 @@ class Topology:
 
 
 def _pairs(path: Sequence[str]) -> Route:
-    return tuple(zip(path[:-1], path[1:]))
+    return tuple(itertools.pairwise(path))

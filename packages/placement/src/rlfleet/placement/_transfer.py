@@ -18,6 +18,7 @@ Our plan (``plan_transfer``), in three parts:
 
 from __future__ import annotations
 
+import itertools
 import math
 from bisect import bisect_left
 from collections.abc import Hashable, Mapping, Sequence
@@ -72,7 +73,9 @@ class _View:
         self.order = {d.vertex: i for i, d in enumerate(self.topology.devices())}
         vertex = {w.worker_id: f"{w.node}/{w.device}" for w in self.placement.workers}
         self.sources = sorted({vertex[w.worker_id] for w in self.placement.train}, key=self.order.__getitem__)
-        self.receivers = sorted({vertex[w.worker_id] for w in self.placement.eval}, key=self.order.__getitem__)
+        self.receivers = sorted(
+            {vertex[w.worker_id] for w in self.placement.eval}, key=self.order.__getitem__
+        )
         src_set = set(self.sources)
         for r in self.receivers:
             if r not in src_set:
@@ -94,7 +97,7 @@ def _split(lo: int, hi: int, weights: Sequence[float]) -> list[tuple[int, int]]:
     total = hi - lo
     wsum = float(sum(weights))
     exact = [total * w / wsum for w in weights]
-    sizes = [int(math.floor(x)) for x in exact]
+    sizes = [math.floor(x) for x in exact]
     short = total - sum(sizes)
     for i in sorted(range(len(weights)), key=lambda i: (sizes[i] - exact[i], i))[:short]:
         sizes[i] += 1
@@ -129,7 +132,7 @@ def _snap(ranges: list[tuple[int, int]], points: Sequence[int]) -> list[tuple[in
     cuts = [lo for lo, _hi in ranges[1:]]
     pts = sorted(set(points))
     snapped = []
-    for cut, (lo, hi) in zip(cuts, ranges[:-1]):
+    for cut, (lo, hi) in zip(cuts, ranges[:-1], strict=True):
         tol = (hi - lo) // 64
         j = bisect_left(pts, cut)
         best = cut
@@ -140,7 +143,7 @@ def _snap(ranges: list[tuple[int, int]], points: Sequence[int]) -> list[tuple[in
     bounds = [ranges[0][0], *snapped, ranges[-1][1]]
     for i in range(1, len(bounds)):  # keep boundaries monotone
         bounds[i] = max(bounds[i], bounds[i - 1])
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def _choose_trees(
@@ -280,7 +283,10 @@ def plan_transfer(
     # Local copies: a mixed node's own train devices feed its eval devices over NVLink/PCIe.
     for node in mixed:
         pieces = _split(0, model_bytes, [1.0] * len(by_node[node]))
-        fan_out(node, [(s, lo, hi, None) for s, (lo, hi) in zip(by_node[node], pieces)])
+        local: list[tuple[str, int, int, int | None]] = [
+            (s, lo, hi, None) for s, (lo, hi) in zip(by_node[node], pieces, strict=True) if hi > lo
+        ]
+        fan_out(node, local)
     description = f"{len(mixed)} local fan-out{'s' if len(mixed) != 1 else ''}" if mixed else ""
 
     if pure:
@@ -303,12 +309,16 @@ def plan_transfer(
                 if len(template) == len(rails) and len({bw for _, bw in rails}) == 1:
                     ranges = template
                 else:
-                    ranges = _snap(_split(0, model_bytes, [bw for _, bw in rails]), [lo for lo, _ in template])
-                found = [(v, lo, hi) for (v, _), (lo, hi) in zip(rails, ranges) if hi > lo]
+                    ranges = _snap(
+                        _split(0, model_bytes, [bw for _, bw in rails]), [lo for lo, _ in template]
+                    )
+                found = [(v, lo, hi) for (v, _), (lo, hi) in zip(rails, ranges, strict=True) if hi > lo]
                 rail_cache[key] = found
             return found
 
-        def land(src: str, lo: int, hi: int, rails: list[tuple[str, int, int]], after: int | None) -> list[int]:
+        def land(
+            src: str, lo: int, hi: int, rails: list[tuple[str, int, int]], after: int | None
+        ) -> list[int]:
             out = []
             for v, rlo, rhi in rails:
                 a, b = max(lo, rlo), min(hi, rhi)
@@ -317,7 +327,7 @@ def plan_transfer(
             return out
 
         forest = nx.DiGraph()
-        for members, group in zip(_blocks(pure, n_trees), _blocks(feeders, n_trees)):
+        for members, group in zip(_blocks(pure, n_trees), _blocks(feeders, n_trees), strict=True):
             head = members[0]
             forest.add_node(head)
             for j in range(1, len(members)):
@@ -329,7 +339,7 @@ def plan_transfer(
                 raise PlacementError(f"node {head!r} holds eval workers but has no link to other nodes")
             template = _snap(_split(0, model_bytes, [bw for _, bw in head_rails]), [lo for lo, _ in pieces])
             landed: dict[str, list[int]] = {head: []}
-            for src, (lo, hi) in zip(group, pieces):
+            for src, (lo, hi) in zip(group, pieces, strict=True):
                 landed[head] += land(src, lo, hi, rails_for(head, template), None)
             for layer in nx.bfs_layers(forest, head):
                 for node in layer:
@@ -373,7 +383,9 @@ def seed_plan(
         )
     else:
         info = build_transfer_info_for_disaggregated(placement.placement_info(), buffer)
-    return cost_transfer_info(topology, placement, info, model_bytes, buffer=buffer, bucket_bytes=bucket_bytes)
+    return cost_transfer_info(
+        topology, placement, info, model_bytes, buffer=buffer, bucket_bytes=bucket_bytes
+    )
 
 
 def cost_transfer_info(

@@ -1,0 +1,261 @@
+"""Transfer plans: every eval device gets every byte once, loads add up, senders are balanced,
+plans are deterministic, and the seed's plan is costed the same way."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.placement import (
+    DEFAULT_BUCKET_BYTES,
+    Placement,
+    PlacementError,
+    Topology,
+    TransferPlan,
+    WorkerPlacement,
+    cost_transfer_info,
+    lower_bound_seconds,
+    place_colocated,
+    place_disaggregated,
+    plan_transfer,
+    seed_plan,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[Topology, Placement, int, int]:
+    nodes = draw(st.integers(1, 6))
+    gpus = draw(st.integers(1, 4))
+    topo = Topology.synthetic(
+        nodes,
+        gpus,
+        nic_per=draw(st.sampled_from(["gpu", "node"])),
+        nvlink=draw(st.booleans()),
+        nic_bandwidth=draw(st.sampled_from([12.5e9, 50e9])),
+    )
+    total = nodes * gpus
+    layout = draw(st.sampled_from(["packed", "spread", "colocated"]))
+    n_train = draw(st.integers(1, total if layout == "colocated" else max(1, total - 1)))
+    if layout == "colocated":
+        placement = place_colocated(topo, n_train, draw(st.integers(0, n_train)))
+    else:
+        placement = place_disaggregated(topo, n_train, draw(st.integers(0, total - n_train)), mode=layout)
+    model_bytes = draw(st.integers(1, 10**12))
+    bucket = draw(st.sampled_from([1, 4096, 2**20, DEFAULT_BUCKET_BYTES, 2**31]))
+    return topo, placement, model_bytes, bucket
+
+
+def check_plan(plan: TransferPlan, topo: Topology, model_bytes: int) -> None:
+    # every eval device receives every byte exactly once
+    received = plan.received()
+    for r in plan.receivers:
+        cur = 0
+        for lo, hi in received.get(r, []):
+            assert lo == cur, (r, received[r][:4])
+            cur = hi
+        assert cur == model_bytes, r
+    # no link carries more than the plan says, and no link needs longer than the prediction
+    loads: dict[tuple[str, str], int] = {}
+    for s in plan.steps:
+        assert s.links == topo.route(s.src, s.dst)
+        for link in s.links:
+            loads[link] = loads.get(link, 0) + s.nbytes
+    assert loads == {(ln.src, ln.dst): ln.nbytes for ln in plan.link_loads}
+    tol = 1e-9 * max(1.0, plan.predicted_seconds)
+    for ln in plan.link_loads:
+        assert ln.seconds <= plan.predicted_seconds + tol
+        assert ln.bandwidth == topo.link(ln.src, ln.dst).bandwidth
+    # step structure: bytes flow forward from trainers
+    sources = set(plan.sources)
+    for s in plan.steps:
+        assert s.nbytes > 0
+        if s.after is None:
+            assert s.src in sources
+            assert s.stage == 0
+        else:
+            prev = plan.steps[s.after]
+            assert s.after < s.id
+            assert prev.dst == s.src
+            assert s.stage == prev.stage + 1
+            assert prev.offset <= s.offset
+            assert s.end <= prev.end
+        assert 0 <= s.first_seconds <= s.finish_seconds + tol
+    assert plan.predicted_seconds + tol >= plan.lower_bound_seconds
+    assert plan.lower_bound_seconds == lower_bound_seconds(topo, model_bytes, plan.sources, plan.receivers)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_plan_properties(scenario: tuple[Topology, Placement, int, int]) -> None:
+    topo, placement, model_bytes, bucket = scenario
+    plan = plan_transfer(topo, placement, model_bytes, bucket_bytes=bucket)
+    check_plan(plan, topo, model_bytes)
+    # senders feeding one copy split it into shares that differ by at most one bucket (in fact a byte)
+    for node, shares in plan.shares_by_node().items():
+        assert max(shares.values()) - min(shares.values()) <= min(bucket, 1), (node, shares)
+        assert sum(shares.values()) == model_bytes or node in {p.node for p in placement.train}
+    # same input -> same plan, also through a spec round trip
+    assert plan_transfer(topo, placement, model_bytes, bucket_bytes=bucket) == plan
+    rebuilt = Topology.from_spec(topo.to_spec())
+    assert plan_transfer(rebuilt, placement, model_bytes, bucket_bytes=bucket) == plan
+    json.dumps(plan.to_dict())
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios(), st.sampled_from(["None", "Double", "Shared"]))
+def test_seed_plan_properties(scenario: tuple[Topology, Placement, int, int], buffer: str) -> None:
+    topo, placement, model_bytes, bucket = scenario
+    if not placement.eval:
+        return
+    plan = seed_plan(topo, placement, model_bytes, buffer=buffer, bucket_bytes=bucket)
+    check_plan(plan, topo, model_bytes)
+    assert plan == seed_plan(topo, placement, model_bytes, buffer=buffer, bucket_bytes=bucket)
+
+
+def rows() -> list[tuple[int, int, int, int]]:
+    out = []
+    for nodes in (8, 64):
+        for t, e in ((1, 1), (1, 3)):
+            n_train = nodes * t // (t + e)
+            for params in (7e9, 70e9, 1e12):
+                out.append((nodes, n_train, nodes - n_train, int(2 * params)))
+    return out
+
+
+@pytest.mark.parametrize(("nodes", "train_nodes", "eval_nodes", "model_bytes"), rows())
+def test_beats_the_seed_and_nears_the_bound(
+    nodes: int, train_nodes: int, eval_nodes: int, model_bytes: int
+) -> None:
+    topo = Topology.synthetic(nodes, 8)
+    placement = place_disaggregated(topo, 8 * train_nodes, 8 * eval_nodes)
+    ours = plan_transfer(topo, placement, model_bytes)
+    seed = seed_plan(topo, placement, model_bytes)
+    assert ours.lower_bound_seconds == seed.lower_bound_seconds
+    assert ours.predicted_seconds < seed.predicted_seconds / 4  # 8 NICs per eval node instead of one
+    assert ours.predicted_seconds <= 1.25 * ours.lower_bound_seconds
+    # no rank-0 funnel: every trainer sends
+    assert min(ours.sender_shares().values()) > 0
+
+
+def test_relays_form_chains_through_eval_nodes() -> None:
+    topo = Topology.synthetic(4, 8)
+    placement = place_disaggregated(topo, 8, 24)
+    plan = plan_transfer(topo, placement, 16 * 10**9)
+    assert "1 chain over 3 eval nodes, depth 3" in plan.relay
+    network = [s for s in plan.steps if s.kind == "network"]
+    # each eval node's NICs take the model in exactly once: 8 rails x 2 GB
+    for node in ("node1", "node2", "node3"):
+        ingress = sum(s.nbytes for s in network if s.dst.startswith(node + "/"))
+        assert ingress == 16 * 10**9
+    assert {s.stage for s in network} == {0, 1, 2}
+    # every trainer sends one disjoint eighth
+    assert sorted(plan.shares_by_node()["node1"].values()) == [2 * 10**9] * 8
+
+
+def test_mixed_nodes_use_local_trainers_and_colocated_needs_no_copy() -> None:
+    topo = Topology.synthetic(2, 8)
+    spread = place_disaggregated(topo, 8, 8, mode="spread")
+    plan = plan_transfer(topo, spread, 10**9)
+    assert all(s.kind != "network" for s in plan.steps)
+    coloc = plan_transfer(topo, place_colocated(topo, 8, 8), 10**9)
+    assert {s.kind for s in coloc.steps} == {"local"}
+    assert coloc.predicted_seconds == 0.0
+    assert coloc.lower_bound_seconds == 0.0
+    nothing = plan_transfer(topo, place_disaggregated(topo, 4, 0), 10**9)
+    assert nothing.steps == ()
+    assert nothing.predicted_seconds == 0.0
+
+
+def test_seed_plan_matches_the_seed_shape() -> None:
+    topo = Topology.synthetic(4, 8)
+    placement = place_disaggregated(topo, 8, 24)
+    double = seed_plan(topo, placement, 10**9, buffer="Double")
+    # one whole-model broadcast per eval node, each from a different trainer of node0
+    first_hops = [s for s in double.steps if s.after is None]
+    assert [s.src for s in first_hops] == ["node0/gpu0", "node0/gpu1", "node0/gpu2"]
+    assert all(s.nbytes == 10**9 for s in double.steps)
+    shared = seed_plan(topo, placement, 10**9, buffer="Shared")
+    assert any(s.dst == "node1" for s in shared.steps)  # staged in the node's host-memory buffer
+    with pytest.raises(PlacementError, match="'ghost'"):
+        cost_transfer_info(topo, placement, {"x": [{"sender": "ghost", "receiver": []}]}, 10**9)
+
+
+def test_bad_arguments() -> None:
+    topo = Topology.synthetic(2, 2)
+    placement = place_disaggregated(topo, 2, 2)
+    for kwargs, needle in (
+        ({"bucket_bytes": 0}, "bucket_bytes"),
+        ({"buffer": "Sharded"}, "buffer"),
+        ({"relay": "tree"}, "relay"),
+        ({"max_fanout": 0}, "max_fanout"),
+    ):
+        with pytest.raises(PlacementError, match=needle):
+            plan_transfer(topo, placement, 10, **kwargs)
+    with pytest.raises(PlacementError, match="model_bytes"):
+        plan_transfer(topo, placement, 0)
+    with pytest.raises(PlacementError, match="no train worker"):
+        plan_transfer(topo, Placement((WorkerPlacement("e", "eval", "node0", "gpu0"),)), 10)
+    with pytest.raises(PlacementError, match="'node7'"):
+        plan_transfer(topo, Placement((WorkerPlacement("e", "eval", "node7", "gpu0"),)), 10)
+    isolated = Topology.from_spec(
+        {"nodes": [{"id": "a", "devices": [{"id": "g"}]}, {"id": "b", "devices": [{"id": "g"}]}]}
+    )
+    lonely = Placement((WorkerPlacement("t", "train", "a", "g"), WorkerPlacement("e", "eval", "b", "g")))
+    with pytest.raises(PlacementError, match="no link"):
+        plan_transfer(isolated, lonely, 10)
+
+
+def test_relay_modes() -> None:
+    topo = Topology.synthetic(8, 8)
+    placement = place_disaggregated(topo, 8, 56)
+    chain = plan_transfer(topo, placement, 10**9, relay="chain")
+    direct = plan_transfer(topo, placement, 10**9, relay="direct")
+    assert "chain" in chain.relay
+    assert direct.relay.startswith("7 chains")
+    for plan in (chain, direct):
+        check_plan(plan, topo, 10**9)
+
+
+def test_to_dot_and_draw(tmp_path: Path) -> None:
+    topo = Topology.synthetic(3, 4)
+    plan = plan_transfer(topo, place_disaggregated(topo, 4, 8), 10**9)
+    dot = plan.to_dot()
+    assert dot.startswith("digraph transfer_plan {")
+    assert dot.rstrip().endswith("}")
+    assert '"node0/gpu0" -> "node1/gpu0"' in dot
+    assert "stage 1" in dot
+    assert "cluster_" in dot
+    out = plan.draw(tmp_path / "sub" / "plan.png")
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 1000
+    seed = seed_plan(topo, place_disaggregated(topo, 4, 8), 10**9, buffer="Shared")
+    assert seed.draw(tmp_path / "seed.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_draw_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    topo = Topology.synthetic(1, 2)
+    plan = plan_transfer(topo, place_disaggregated(topo, 1, 1), 10)
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r"rlfleet-placement\[draw\]"):
+        plan.draw(tmp_path / "x.png")
+
+
+def test_import_pulls_no_heavy_dependency() -> None:
+    code = (
+        "import sys, rlfleet.placement as p\n"
+        "heavy = [m for m in ('torch', 'ray', 'matplotlib', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert sorted(p.__all__) == sorted(set(p.__all__))\n"
+        "assert all(hasattr(p, n) for n in p.__all__)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
