@@ -9,6 +9,7 @@ from rlfleet.weightsync._deadline import (
     stand_down,
     stand_down_armed_watchdogs,
 )
+from rlfleet.weightsync._dist import BroadcastReceiver, BroadcastSender, TorchWire, map_dist_error
 from rlfleet.weightsync._dtypes import DTYPES, dtype_from_name, dtype_name
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
@@ -33,8 +34,30 @@ from rlfleet.weightsync._packing import (
     unpack_bucket_into,
 )
 from rlfleet.weightsync._protocol import BucketConsumer
+from rlfleet.weightsync._rendezvous import (
+    RendezvousTimeoutError,
+    check_in,
+    connect_store,
+    init_process_group_bounded,
+    new_group_bounded,
+)
+from rlfleet.weightsync._wire import BucketTarget, Control, Header, SyncStats, bucket_segments
 
 __all__ = [
+    "BroadcastReceiver",
+    "BroadcastSender",
+    "BucketTarget",
+    "Control",
+    "Header",
+    "RendezvousTimeoutError",
+    "SyncStats",
+    "TorchWire",
+    "bucket_segments",
+    "check_in",
+    "connect_store",
+    "init_process_group_bounded",
+    "map_dist_error",
+    "new_group_bounded",
     "ALIGNMENT",
     "Backoff",
     "Deadline",

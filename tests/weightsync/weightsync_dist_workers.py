@@ -1,0 +1,338 @@
+"""Process bodies for the multi-process gloo tests (spawned, so they live in an importable module)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlfleet.weightsync import Layout, checksum
+from rlfleet.weightsync._packing import bucket_starts, flat_views
+
+BUCKET = 64 * 1024
+DIRECT_MIN = 16 * 1024
+
+
+# -- models ------------------------------------------------------------------------------------
+def make_state(version: int, small: int = 120) -> dict[str, torch.Tensor]:
+    """Mixed dtypes, an oversized tensor, large direct tensors and many small ones."""
+    g = torch.Generator().manual_seed(1000 + version)
+    sd: dict[str, torch.Tensor] = {}
+    sd["embed.weight"] = torch.randn(300, 128, generator=g).to(torch.bfloat16)  # 75 KiB > bucket
+    sd["big.fp32"] = torch.randn(40, 128, generator=g)  # 20 KiB: direct, shares a bucket
+    sd["step"] = torch.tensor([version], dtype=torch.int64)
+    sd["mask"] = torch.rand(33, 7, generator=g) > 0.5
+    sd["f8"] = torch.randn(17, 9, generator=g).to(torch.float8_e4m3fn)
+    sd["ids"] = torch.randint(-(2**40), 2**40, (123,), generator=g, dtype=torch.int64)
+    sd["empty"] = torch.zeros(0, 4)
+    sd["scalar"] = torch.tensor(3.5 + version)
+    for i in range(small):
+        n = 1 + (i * 37) % 400
+        sd[f"layers.{i}.w"] = torch.randn(n, generator=g).to(torch.bfloat16 if i % 3 else torch.float32)
+    # a non-contiguous source on the sender side (a transposed view)
+    sd["transposed"] = torch.randn(96, 64, generator=g).t()
+    return sd
+
+
+def layout_of(sd: Mapping[str, torch.Tensor], bucket: int = BUCKET) -> Layout:
+    return Layout.from_state_dict(sd, bucket)
+
+
+class StagingConsumer:
+    """A minimal double-buffered consumer: stage every bucket, copy into place on commit."""
+
+    def __init__(self, layout: Layout, initial: Mapping[str, torch.Tensor], target: bool = False) -> None:
+        self._layout = layout
+        self.weights = {k: v.clone().contiguous() for k, v in initial.items()}
+        self._version = -1
+        self.staging = torch.zeros(layout.padded_bytes, dtype=torch.uint8)
+        self._starts = bucket_starts(layout)
+        self._pending: int | None = None
+        self._seen: set[int] = set()
+        self.aborts: list[str] = []
+        self.fail_on: int | None = None
+        self._target = target
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def begin(self, version: int) -> None:
+        from rlfleet.weightsync import VersionError
+
+        if version <= self._version:
+            raise VersionError(f"version {version} is not newer than {self._version}")
+        self._pending = version
+        self._seen = set()
+
+    def _region(self, index: int) -> torch.Tensor:
+        start = self._starts[index]
+        return self.staging[start : start + self._layout.buckets[index].nbytes]
+
+    def bucket_target(self, index: int) -> torch.Tensor | None:
+        return self._region(index) if self._target else None
+
+    def consume(self, index: int, data: torch.Tensor) -> None:
+        if self.fail_on == index:
+            raise RuntimeError(f"injected consumer failure at bucket {index}")
+        region = self._region(index)
+        if data.data_ptr() != region.data_ptr():
+            region.copy_(data[: region.numel()])
+        self._seen.add(index)
+
+    def commit(self, version: int) -> None:
+        from rlfleet.weightsync import IncompleteSyncError
+
+        if self._pending != version or len(self._seen) != len(self._layout.buckets):
+            raise IncompleteSyncError(f"commit of {version} with {len(self._seen)} buckets")
+        for name, view in flat_views(self._layout, self.staging).items():
+            self.weights[name].copy_(view)
+        self._version = version
+        self._pending = None
+
+    def abort(self, error: BaseException) -> None:
+        self.aborts.append(f"{type(error).__name__}: {error}")
+        self._pending = None
+
+
+class FlakyMapping(Mapping[str, torch.Tensor]):
+    """A state dict whose `name` fails (or kills the process) from its `after`-th access on."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], name: str, after: int, action: str) -> None:
+        self.base = base
+        self.name = name
+        self.after = after
+        self.action = action
+        self.count = 0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key == self.name:
+            self.count += 1
+            if self.count > self.after:
+                if self.action == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"injected failure producing {key!r}")
+        return self.base[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
+# -- harness -----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple[Any, ...]
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, port, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as exc:
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    # Leave at once: a half-built store or group (the point of some tests) can stall a normal exit.
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0, expect_dead: tuple[int, ...] = ()
+) -> dict[int, Any]:
+    """Run `fn(rank, world, port, *args)` in `world` spawned processes; results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    end = time.monotonic() + timeout
+    expected = world - len(expect_dead)
+    try:
+        while len(results) < expected and time.monotonic() < end:
+            try:
+                rank, status, value = queue.get(timeout=0.5)
+            except Exception:
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+                continue
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, end - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    missing = [r for r in range(world) if r not in results and r not in expect_dead]
+    if missing:
+        raise AssertionError(f"ranks {missing} returned nothing within {timeout}s")
+    return results
+
+
+def init(rank: int, world: int, port: int, timeout: float = 30.0) -> None:
+    from datetime import timedelta
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout),
+    )
+
+
+def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run one step; report its error type, message and parameter (JSON-safe) or its value."""
+    try:
+        value = fn()
+        return {"ok": True, "value": value}
+    except Exception as exc:
+        return {
+            "ok": False,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "parameter": getattr(exc, "parameter", None),
+            "missing": getattr(exc, "missing", None),
+        }
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+DEADLINE = 30.0
+
+
+def scenario_protocol(rank: int, world: int, port: int) -> dict[str, Any]:
+    """Sender rank 0; rank 1 lands buckets in its consumer's storage, the others use buffers."""
+    from rlfleet.weightsync import BroadcastReceiver, BroadcastSender
+
+    init(rank, world, port)
+    base = make_state(0)
+    layout = layout_of(base)
+    steps: dict[str, Any] = {}
+    if rank == 0:
+        sender = BroadcastSender(layout, None, 0, direct_min=DIRECT_MIN)
+
+        def send(sd: Mapping[str, torch.Tensor], version: int) -> Any:
+            return outcome(lambda: sender.send(sd, version, DEADLINE).wire_bytes)
+
+        steps["v1"] = send(make_state(1), 1)
+        sender.checksums = True
+        steps["v2"] = send(make_state(2), 2)
+        steps["stale"] = send(make_state(2), 2)
+        steps["layout"] = send(make_state(3), 3)
+        steps["consumer"] = send(make_state(3), 3)
+        steps["midway"] = send(FlakyMapping(make_state(3), "layers.100.w", 1, "raise"), 3)
+        missing = dict(make_state(3))
+        del missing["layers.50.w"]
+        steps["upfront"] = send(missing, 3)
+        steps["v3"] = send(make_state(3), 3)
+        steps["broken"] = sender.broken
+        return steps
+    receiver = BroadcastReceiver(layout, None, 0)
+    consumer = StagingConsumer(layout, base, target=rank == 1)
+
+    def recv(c: StagingConsumer) -> dict[str, Any]:
+        result = outcome(lambda: receiver.receive(c, DEADLINE).version)
+        result["applied"] = consumer.version
+        result["checksum"] = checksum(consumer.weights)
+        return result
+
+    steps["v1"] = recv(consumer)
+    steps["v2"] = recv(consumer)
+    steps["stale"] = recv(consumer)
+    if rank == 2:
+        other = dict(base)
+        other["layers.7.w"] = torch.zeros(3, 3)
+        steps["layout"] = recv(StagingConsumer(layout_of(other), other))
+    else:
+        steps["layout"] = recv(consumer)
+    if rank == 2:
+        consumer.fail_on = 1
+    steps["consumer"] = recv(consumer)
+    consumer.fail_on = None
+    steps["midway"] = recv(consumer)
+    steps["upfront"] = recv(consumer)
+    steps["v3"] = recv(consumer)
+    steps["aborts"] = len(consumer.aborts)
+    steps["broken"] = receiver.broken
+    return steps
+
+
+def scenario_kill(rank: int, world: int, port: int) -> dict[str, Any]:
+    """The sender SIGKILLs itself while packing version 2; receivers must fail within the deadline."""
+    from rlfleet.weightsync import BroadcastReceiver, BroadcastSender
+
+    init(rank, world, port, timeout=15.0)
+    base = make_state(0)
+    layout = layout_of(base)
+    if rank == 0:
+        sender = BroadcastSender(layout, None, 0, direct_min=DIRECT_MIN)
+        sender.send(make_state(1), 1, DEADLINE)
+        sender.send(FlakyMapping(make_state(2), "layers.90.w", 1, "kill"), 2, DEADLINE)
+        return {"unreachable": True}
+    receiver = BroadcastReceiver(layout, None, 0)
+    consumer = StagingConsumer(layout, base, target=rank == 1)
+    receiver.receive(consumer, DEADLINE)
+    start = time.monotonic()
+    result = outcome(lambda: receiver.receive(consumer, 20.0))
+    result["seconds"] = time.monotonic() - start
+    result["applied"] = consumer.version
+    result["checksum"] = checksum(consumer.weights)
+    result["aborts"] = len(consumer.aborts)
+    result["again"] = outcome(lambda: receiver.receive(consumer, 1.0))
+    return result
+
+
+def scenario_rendezvous(rank: int, world: int, port: int, port2: int, port3: int) -> dict[str, Any]:
+    """Bounded group creation: a rank that never joins is named, within the deadline."""
+    from rlfleet.weightsync import BroadcastReceiver, BroadcastSender
+    from rlfleet.weightsync._rendezvous import init_process_group_bounded, new_group_bounded
+
+    out: dict[str, Any] = {}
+    url = "tcp://127.0.0.1:{}"
+    if rank != 2:  # rank 2 never joins the first attempt
+        out["no_rank2"] = outcome(
+            lambda: init_process_group_bounded("gloo", url.format(port), rank, world, join_timeout=2.0)
+        )
+    if rank != 0:  # rank 0 (the store host) never joins the second
+        out["no_rank0"] = outcome(
+            lambda: init_process_group_bounded("gloo", url.format(port2), rank, world, join_timeout=2.0)
+        )
+    init_process_group_bounded("gloo", url.format(port3), rank, world, join_timeout=30.0, timeout=30.0)
+    if rank != 2:
+        out["group_no_rank2"] = outcome(lambda: new_group_bounded([0, 1], join_timeout=2.0))
+    # all three call it now; the group of ranks 1 and 2 carries a sync from global rank 1
+    dist.barrier()
+    group = new_group_bounded([1, 2], join_timeout=30.0)
+    base = make_state(0)
+    layout = layout_of(base)
+    if rank == 1:
+        BroadcastSender(layout, group, 1, direct_min=DIRECT_MIN).send(make_state(5), 5, DEADLINE)
+    elif rank == 2:
+        consumer = StagingConsumer(layout, base)
+        BroadcastReceiver(layout, group, 1).receive(consumer, DEADLINE)
+        out["subgroup_checksum"] = checksum(consumer.weights)
+    return out
