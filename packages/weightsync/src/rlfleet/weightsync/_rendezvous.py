@@ -94,7 +94,14 @@ def check_in(
     missing = [r for r in ranks if r != rank]
     backoff = Backoff(initial=1e-3, maximum=50e-3)
     while True:
-        missing = [r for r in missing if not store.check([f"{prefix}/{r}"])]
+        try:
+            missing = [r for r in missing if not store.check([f"{prefix}/{r}"])]
+        except RuntimeError as exc:  # the store's host gave up (its own deadline) and closed it
+            raise RendezvousTimeoutError(
+                f"{what}: the rendezvous store closed while rank {rank} waited for rank(s) {missing} "
+                f"({exc}); they did not join in time",
+                missing,
+            ) from exc
         if not missing:
             return
         if deadline.expired:
