@@ -137,7 +137,8 @@ def draw_plan(plan: TransferPlan, path: Path) -> Path:
                 zorder=3,
             )
     handles = [Line2D([0], [0], color=_stage_colour(s), label=f"stage {s}") for s in sorted(by_stage)[:8]]
-    ax.legend(handles=ax.get_legend_handles_labels()[0] + handles, fontsize=7, loc="upper right")
+    legend = ax.get_legend_handles_labels()[0] + handles
+    fig.legend(handles=legend, fontsize=7, loc="lower center", ncol=min(len(legend), 6), frameon=False)
     ax.set_title(
         _title(plan),
         fontsize=9,

@@ -67,6 +67,7 @@ class _View:
     receivers: list[str] = field(default_factory=list)
     needy_by_node: dict[str, list[str]] = field(default_factory=dict)
     source_nodes: list[str] = field(default_factory=list)
+    rail_cache: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.placement.validate(self.topology)
@@ -85,11 +86,19 @@ class _View:
             raise PlacementError("placement has eval workers but no train worker to send weights from")
 
     def rails(self, node: str) -> list[tuple[str, float]]:
-        """Distinct NIC endpoints of ``node`` with the bandwidth a route through them gets."""
+        """NIC endpoints of ``node`` whose traffic uses their own NIC, with that NIC's bandwidth."""
+        cached = self.rail_cache.get(node)
+        if cached is not None:
+            return cached
         out: dict[str, float] = {}
         for port in self.topology.ports(node):
-            out.setdefault(port.local, port.bandwidth)
-        return list(out.items())
+            if port.local in out:
+                continue
+            used = self.topology.nearest_port(port.local)
+            if used is not None and used.local == port.local:
+                out[port.local] = used.bandwidth
+        self.rail_cache[node] = list(out.items())
+        return self.rail_cache[node]
 
 
 def _split(lo: int, hi: int, weights: Sequence[float]) -> list[tuple[int, int]]:
@@ -135,11 +144,8 @@ def _snap(ranges: list[tuple[int, int]], points: Sequence[int]) -> list[tuple[in
     for cut, (lo, hi) in zip(cuts, ranges[:-1], strict=True):
         tol = (hi - lo) // 64
         j = bisect_left(pts, cut)
-        best = cut
-        for cand in pts[max(0, j - 1) : j + 1]:
-            if abs(cand - cut) <= tol and abs(cand - cut) < abs(best - cut) + (best == cut) * (tol + 1):
-                best = cand
-        snapped.append(best)
+        near = [p for p in pts[max(0, j - 1) : j + 1] if abs(p - cut) <= tol]
+        snapped.append(min(near, key=lambda p: (abs(p - cut), p)) if near else cut)
     bounds = [ranges[0][0], *snapped, ranges[-1][1]]
     for i in range(1, len(bounds)):  # keep boundaries monotone
         bounds[i] = max(bounds[i], bounds[i - 1])
