@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -51,6 +52,63 @@ def scenarios(draw: st.DrawFn) -> tuple[Topology, Placement, int, int]:
     model_bytes = draw(st.integers(1, 10**12))
     bucket = draw(st.sampled_from([1, 4096, 2**20, DEFAULT_BUCKET_BYTES, 2**31]))
     return topo, placement, model_bytes, bucket
+
+
+@st.composite
+def mixed_scenarios(draw: st.DrawFn) -> tuple[Topology, Placement, int, int]:
+    """Heterogeneous nodes: varying GPU counts, NICs on some GPUs and/or the host, two leaf switches."""
+    n_nodes = draw(st.integers(2, 5))
+    nodes: list[dict[str, Any]] = []
+    links: list[dict[str, Any]] = []
+    switches: list[dict[str, Any]] = [{"id": "leaf0"}, {"id": "leaf1"}, {"id": "spine"}]
+    links += [
+        {"a": "leaf0", "b": "spine", "kind": "network", "bandwidth": 4e11, "latency": 1e-6},
+        {"a": "leaf1", "b": "spine", "kind": "network", "bandwidth": 4e11, "latency": 1e-6},
+    ]
+    for i in range(n_nodes):
+        node = f"h{i}"
+        gpus = draw(st.integers(1, 4))
+        nodes.append({"id": node, "devices": [{"id": f"g{j}", "kind": "gpu"} for j in range(gpus)]})
+        nvlink = gpus > 1 and draw(st.booleans())
+        if nvlink:
+            switches.append({"id": "nvs", "node": node})
+        nic_gpus = draw(st.lists(st.integers(0, gpus - 1), unique=True, max_size=gpus))
+        host_nic = draw(st.booleans()) or not nic_gpus
+        for j in range(gpus):
+            dev = f"{node}/g{j}"
+            links.append({"a": dev, "b": node, "kind": "pcie", "bandwidth": 6.4e10, "latency": 2e-6})
+            if nvlink:
+                links.append(
+                    {"a": dev, "b": f"{node}/nvs", "kind": "nvlink", "bandwidth": 9e11, "latency": 1e-6}
+                )
+            if j in nic_gpus:
+                bw = draw(st.sampled_from([2.5e10, 5e10]))
+                links.append(
+                    {"a": dev, "b": f"leaf{i % 2}", "kind": "network", "bandwidth": bw, "latency": 5e-6}
+                )
+        if host_nic:
+            links.append(
+                {"a": node, "b": f"leaf{i % 2}", "kind": "network", "bandwidth": 1e11, "latency": 5e-6}
+            )
+    topo = Topology.from_spec({"nodes": nodes, "switches": switches, "links": links})
+    devices = [(d.node, d.id) for d in topo.devices()]
+    roles = draw(
+        st.lists(st.sampled_from(["train", "eval", "idle"]), min_size=len(devices), max_size=len(devices))
+    )
+    if "train" not in roles:
+        roles[draw(st.integers(0, len(roles) - 1))] = "train"
+    workers = [
+        WorkerPlacement(f"w{k}", role, node, dev)
+        for k, (role, (node, dev)) in enumerate(zip(roles, devices, strict=True))
+        if role != "idle"
+    ]
+    model_bytes = draw(st.integers(1, 10**12))
+    return (
+        topo,
+        Placement(tuple(workers)),
+        model_bytes,
+        draw(st.sampled_from([1, 2**20, DEFAULT_BUCKET_BYTES])),
+    )
 
 
 def check_plan(plan: TransferPlan, topo: Topology, model_bytes: int) -> None:
@@ -107,6 +165,21 @@ def test_plan_properties(scenario: tuple[Topology, Placement, int, int]) -> None
     rebuilt = Topology.from_spec(topo.to_spec())
     assert plan_transfer(rebuilt, placement, model_bytes, bucket_bytes=bucket) == plan
     json.dumps(plan.to_dict())
+
+
+@settings(max_examples=100, deadline=None)
+@given(mixed_scenarios(), st.sampled_from(["auto", "chain", "direct"]))
+def test_plan_properties_on_heterogeneous_clusters(
+    scenario: tuple[Topology, Placement, int, int], relay: str
+) -> None:
+    topo, placement, model_bytes, bucket = scenario
+    plan = plan_transfer(topo, placement, model_bytes, bucket_bytes=bucket, relay=relay)
+    check_plan(plan, topo, model_bytes)
+    for node, shares in plan.shares_by_node().items():
+        assert max(shares.values()) - min(shares.values()) <= 1, (node, shares)
+    assert plan == plan_transfer(topo, placement, model_bytes, bucket_bytes=bucket, relay=relay)
+    seed = seed_plan(topo, placement, model_bytes)
+    check_plan(seed, topo, model_bytes)
 
 
 @settings(max_examples=100, deadline=None)

@@ -305,6 +305,8 @@ class Topology:
         Defaults model an H100/H200 HGX node: NVLink 900 GB/s per GPU through an NVSwitch, PCIe Gen5
         x16 (64 GB/s) from each GPU to the host, and a 400 Gb/s (50 GB/s) NIC per GPU
         (``nic_per="gpu"``, rail style) or one per node (``nic_per="node"``, on the host).
+        Links are full duplex and 900 GB/s is NVIDIA's quoted NVLink 4 total, so intra-node times are
+        optimistic by up to 2x; pass ``nvlink_bandwidth=450e9`` for a per-direction figure.
         """
         if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
             raise TopologyError(f"synthetic: nodes must be a positive int, got {nodes!r}")

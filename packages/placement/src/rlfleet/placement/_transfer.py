@@ -302,24 +302,24 @@ def plan_transfer(
             view, pure, feeders, model_bytes, bucket_bytes, relay, max_fanout
         )
         description = f"{description}; {tree_desc}" if description else tree_desc
-        rail_cache: dict[tuple[str, tuple[tuple[int, int], ...]], list[tuple[str, int, int]]] = {}
+        rail_cache: dict[tuple[str, str], list[tuple[str, int, int]]] = {}
 
-        def rails_for(node: str, template: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
-            """``node``'s NIC endpoints with the byte range each carries (the template's when it fits)."""
-            key = (node, tuple(template))
-            found = rail_cache.get(key)
+        def rails_for(node: str, head: str, template: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
+            """``node``'s NIC endpoints with the byte range each carries: the tree head's ranges when
+            the NICs match the head's, so every hop forwards each range unchanged."""
+            found = rail_cache.get((node, head))
             if found is None:
                 rails = view.rails(node)
                 if not rails:
                     raise PlacementError(f"node {node!r} holds eval workers but has no link to other nodes")
-                if len(template) == len(rails) and len({bw for _, bw in rails}) == 1:
+                if [bw for _, bw in rails] == [bw for _, bw in view.rails(head)]:
                     ranges = template
                 else:
                     ranges = _snap(
                         _split(0, model_bytes, [bw for _, bw in rails]), [lo for lo, _ in template]
                     )
                 found = [(v, lo, hi) for (v, _), (lo, hi) in zip(rails, ranges, strict=True) if hi > lo]
-                rail_cache[key] = found
+                rail_cache[(node, head)] = found
             return found
 
         def land(
@@ -346,11 +346,11 @@ def plan_transfer(
             template = _snap(_split(0, model_bytes, [bw for _, bw in head_rails]), [lo for lo, _ in pieces])
             landed: dict[str, list[int]] = {head: []}
             for src, (lo, hi) in zip(group, pieces, strict=True):
-                landed[head] += land(src, lo, hi, rails_for(head, template), None)
+                landed[head] += land(src, lo, hi, rails_for(head, head, template), None)
             for layer in nx.bfs_layers(forest, head):
                 for node in layer:
                     for child in forest.successors(node):
-                        child_rails = rails_for(child, template)
+                        child_rails = rails_for(child, head, template)
                         landed[child] = [
                             step
                             for a in landed[node]
