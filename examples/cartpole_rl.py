@@ -1,0 +1,357 @@
+"""The main job: PPO on CartPole-v1 with rlfleet doing the policy-group work.
+
+Env workers (Ray actors, each a vector of CartPole envs) send observations through
+`PolicyGroup.rollout_batch` to eval policies (node-affinity routing by env id); the driver
+turns trajectories into advantages and hands each trainer its shard; the trainers run PPO,
+data-parallel over gloo; `sync_weights` moves the new weights to every eval policy after each
+update, and `verify_eval_weight_consistency` checks them every few iterations.
+
+    hatch run demo                       # embedded local Ray, 1 node
+    hatch run demo --nodes 3             # a local 3-node Ray cluster
+    hatch run demo --address auto        # join a running cluster
+
+Exits 0 once the mean return of the last 20 episodes reaches 195 (CartPole's solved line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cartpole_policy
+from cartpole_policy import CartPolePolicy, EnvWorker, gae
+
+from rlfleet.placement import plan_transfer
+from rlfleet.policygroup import (
+    BatchedData,
+    PolicyConfig,
+    TrainConfig,
+    WeightBufferConfig,
+    build_policy_group,
+    plan_placement,
+    ray_topology,
+)
+
+SOLVED = 195.0
+BUFFER_TYPE = {
+    "None": "WeightBuffer",
+    "Double": "WeightBuffer",
+    "Shared": "CPUWeightBuffer",
+    "Sharded": "ShardedWeightBuffer",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--iterations", type=int, default=150, help="max PPO iterations (stops early when solved)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--router",
+        default="node_affinity",
+        choices=["node_affinity", "simple", "least_load", "round_robin", "power_of_two", "consistent_hash"],
+    )
+    p.add_argument("--mode", default="sync", choices=["sync", "async"], help="rollout mode")
+    p.add_argument("--strategy", default="Shared", choices=list(BUFFER_TYPE), help="weight buffer strategy")
+    p.add_argument("--num-train", type=int, default=2)
+    p.add_argument("--num-eval", type=int, default=4)
+    p.add_argument("--nodes", type=int, default=1, help="start a local Ray cluster of this many nodes")
+    p.add_argument("--address", default=None, help="join an existing Ray cluster instead")
+    p.add_argument("--env-workers", type=int, default=4)
+    p.add_argument("--envs-per-worker", type=int, default=2)
+    p.add_argument("--steps", type=int, default=64, help="env steps per worker per iteration")
+    p.add_argument("--lr", type=float, default=2.5e-3)
+    p.add_argument("--verify-every", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("out/demo"))
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--require-solved",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exit non-zero unless solved (--no-require-solved for smoke runs)",
+    )
+    return p.parse_args(argv)
+
+
+@contextmanager
+def ray_runtime(args: argparse.Namespace) -> Iterator[list[str]]:
+    """Ray for the run: join `--address`, or start a local one (a `Cluster` for `--nodes > 1`).
+
+    A single local node listens on 127.0.0.1 only. Yields the node ids to place on, head first.
+    """
+    cluster = None
+    stale = Path("/tmp/ray/ray_current_cluster")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if args.address:
+        ray.init(address=args.address, log_to_driver=False)
+    elif args.nodes > 1:
+        from ray.cluster_utils import Cluster
+
+        stale.unlink(missing_ok=True)
+        # Ray's test Cluster binds the machine's own address (it cannot be pinned to loopback).
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        for _ in range(args.nodes - 1):
+            cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+    else:
+        stale.unlink(missing_ok=True)
+        ray.init(
+            num_cpus=max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
+    try:
+        ray.cloudpickle.register_pickle_by_value(cartpole_policy)  # workers need not import examples/
+        yield list(ray_topology().nodes)
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def component_distribution(args: argparse.Namespace, config: PolicyConfig) -> dict[str, Any]:
+    """Which env workers and eval policies share a node (the seed's resource-manager view)."""
+    placement = plan_placement(args.num_train, args.num_eval, config)
+    evals = [w for w in placement.workers if w.role == "eval"]
+    nodes = sorted({w.node for w in evals}, key=[w.node for w in evals].index)
+    dist: dict[str, Any] = {n: {"env": {"ids": []}, "eval": {"ids": []}} for n in nodes}
+    for i, w in enumerate(evals):
+        dist[w.node]["eval"]["ids"].append(i)
+    for e in range(args.env_workers):
+        dist[nodes[e % len(nodes)]]["env"]["ids"].append(e)
+    return dist
+
+
+class Timings:
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.last: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.last[name] = time.perf_counter() - start
+        self.total[name] += self.last[name]
+
+
+def collect(group: Any, envs: list[Any], steps: int, returns: list[float]) -> dict[str, np.ndarray]:
+    """`steps` env steps on every worker, actions from the eval policies via rollout_batch."""
+    ids = [f"env-{i}" for i in range(len(envs))]
+    obs = ray.get([e.observe.remote() for e in envs], timeout=60)
+    buf: dict[str, list[np.ndarray]] = defaultdict(list)
+    versions: list[int] = []
+    for _ in range(steps):
+        resp = group.rollout_batch(BatchedData(ids, obs))
+        out = ray.get(list(resp.values()), timeout=60)
+        results = ray.get([e.step.remote(o["action"]) for e, o in zip(envs, out, strict=True)], timeout=60)
+        buf["obs"].append(np.stack(obs))
+        for key in ("action", "logp", "value"):
+            buf[key].append(np.stack([o[key] for o in out]))
+        buf["reward"].append(np.stack([r[1] for r in results]))
+        buf["done"].append(np.stack([r[2] for r in results]).astype(np.float32))
+        versions.extend(int(o["version"]) for o in out)
+        for r in results:
+            returns.extend(r[3])
+        obs = [r[0] for r in results]
+    last = ray.get(list(group.rollout_batch(BatchedData(ids, obs)).values()), timeout=60)
+    data = {k: np.stack(v) for k, v in buf.items()}  # [T, workers, envs, ...]
+    data["last_value"] = np.stack([o["value"] for o in last])
+    data["versions"] = np.asarray(versions)
+    return data
+
+
+def shard(data: dict[str, np.ndarray], parts: int) -> list[dict[str, torch.Tensor]]:
+    adv, ret = gae(data["reward"], data["value"], data["done"], data["last_value"], 0.99, 0.95)
+    flat = {
+        "obs": data["obs"].reshape(-1, data["obs"].shape[-1]),
+        "action": data["action"].reshape(-1),
+        "logp": data["logp"].reshape(-1),
+        "adv": adv.reshape(-1),
+        "ret": ret.reshape(-1),
+    }
+    n = len(flat["action"]) // parts * parts  # equal shards keep the all-reduces paired
+    return [{k: torch.as_tensor(v[i:n:parts]) for k, v in flat.items()} for i in range(parts)]
+
+
+def save_outputs(out: Path, returns: list[float], group: Any, args: argparse.Namespace) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(returns, lw=0.8, alpha=0.5, label="episode return")
+    if len(returns) >= 20:
+        ax.plot(
+            range(19, len(returns)),
+            np.convolve(returns, np.ones(20) / 20, mode="valid"),
+            label="mean of last 20",
+        )
+    ax.axhline(SOLVED, color="k", ls="--", lw=0.8, label="solved (195)")
+    ax.set_xlabel("episode")
+    ax.set_ylabel("return")
+    ax.set_title(
+        f"PPO on CartPole-v1 via rlfleet ({args.num_train} train, {args.num_eval} eval, {args.strategy})"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "reward_curve.png", dpi=110)
+    plt.close(fig)
+    written.append(out / "reward_curve.png")
+
+    placement = getattr(group, "placement", None)
+    if placement is not None:
+        slots = 1 + max(int(w.device.removeprefix("cpu")) for w in placement.workers)
+        plan = plan_transfer(
+            ray_topology(slots_per_node=slots), placement, model_bytes=group_model_bytes(group)
+        )
+        written.append(plan.draw(out / "transfer_plan.png"))
+    return written
+
+
+def group_model_bytes(group: Any) -> int:
+    sd = ray.get(group.train_list[0].get_state_dict.remote(), timeout=60)
+    return int(sum(t.numel() * t.element_size() for t in sd.values()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    config = PolicyConfig(
+        rollout_mode=args.mode,
+        router_type=args.router,
+        weight_buffer=WeightBufferConfig(type=BUFFER_TYPE[args.strategy], buffer_strategy=args.strategy),
+    )
+    train_config = TrainConfig(lr=args.lr, seed=args.seed, extra={"epochs": 4, "minibatches": 4})
+    returns: list[float] = []
+    timings = Timings()
+    with ray_runtime(args) as nodes:
+        if args.router == "node_affinity":
+            config.component_distribution = component_distribution(args, config)
+        dist = config.component_distribution or {nodes[0]: {"env": {"ids": list(range(args.env_workers))}}}
+        env_node = {e: n for n, c in dist.items() for e in c["env"]["ids"]}
+        remote_env = ray.remote(num_cpus=0)(EnvWorker)
+        envs = [
+            remote_env.options(
+                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    env_node.get(i, nodes[0]), soft=True
+                )
+            ).remote(args.envs_per_worker, args.seed * 1000 + i)
+            for i in range(args.env_workers)
+        ]
+        with timings("setup"):
+            group = build_policy_group(
+                CartPolePolicy,
+                args.num_train,
+                args.num_eval,
+                config,
+                train_config=train_config,
+                policy_kwargs={"seed": args.seed},
+            )
+        try:
+            with timings("sync"):
+                group.sync_weights()  # eval policies start from the trainers' initial weights
+            solved_at = run_loop(args, group, envs, returns, timings)
+            print_summary(timings, group, returns, solved_at)
+            for path in save_outputs(args.out, returns, group, args):
+                print(f"wrote {path}")
+        finally:
+            group.shutdown()
+    if solved_at is None:
+        reason = (
+            f"not solved: mean return of the last 20 episodes is {np.mean(returns[-20:]):.1f} "
+            f"< {SOLVED} after {args.iterations} iterations"
+        )
+        print(reason, file=sys.stderr)
+        return 1 if args.require_solved else 0
+    return 0
+
+
+def run_loop(
+    args: argparse.Namespace, group: Any, envs: list[Any], returns: list[float], timings: Timings
+) -> int | None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [
+        TextColumn("iter {task.completed:>3}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+    ]
+    env_steps = 0
+    start = time.perf_counter()
+    with Progress(*columns, disable=args.no_progress) as bar:
+        task = bar.add_task("", total=args.iterations)
+        for it in range(1, args.iterations + 1):
+            with timings("rollout"):
+                data = collect(group, envs, args.steps, returns)
+            served = set(data["versions"].tolist())
+            if served != {group.weight_version}:
+                raise RuntimeError(
+                    f"iteration {it}: rollouts used versions {served}, expected {group.weight_version}"
+                )
+            env_steps += data["reward"].size
+            with timings("train"):
+                shards = shard(data, args.num_train)
+                group.update_dataset(shards)
+                group.train(seed=args.seed * 100_000 + it)
+            with timings("sync"):
+                group.sync_weights()
+            if it % args.verify_every == 0:
+                with timings("verify"):
+                    if not group.verify_eval_weight_consistency():
+                        raise RuntimeError(f"iteration {it}: eval weights differ from the trainers'")
+            mean = float(np.mean(returns[-20:])) if returns else 0.0
+            rate = env_steps / (time.perf_counter() - start)
+            bar.update(
+                task,
+                advance=1,
+                description=(
+                    f"return {mean:6.1f} | {rate:7.0f} env steps/s "
+                    f"| sync {timings.last['sync'] * 1e3:6.1f} ms | v{group.weight_version}"
+                ),
+            )
+            if len(returns) >= 20 and mean >= SOLVED:
+                return it
+    return None
+
+
+def print_summary(timings: Timings, group: Any, returns: list[float], solved_at: int | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="time by phase")
+    table.add_column("phase")
+    table.add_column("seconds", justify="right")
+    for name in ("setup", "rollout", "train", "sync", "verify"):
+        table.add_row(name, f"{timings.total.get(name, 0.0):.2f}")
+    console = Console()
+    console.print(table)
+    status = f"solved at iteration {solved_at}" if solved_at else "not solved"
+    console.print(
+        f"{status}; episodes {len(returns)}; mean of last 20 {np.mean(returns[-20:]):.1f}; "
+        f"weight version {group.weight_version}; eval versions {group.eval_weight_versions()}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
