@@ -1,6 +1,7 @@
 """rlfleet.weightsync: bucketed, versioned, atomic weight sync from trainers to rollout workers."""
 
 from rlfleet.weightsync.__about__ import __version__
+from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, ServingLock, live_tensors
 from rlfleet.weightsync._deadline import (
     Backoff,
     Deadline,
@@ -24,6 +25,14 @@ from rlfleet.weightsync._errors import (
 )
 from rlfleet.weightsync._integrity import bucket_checksum, checksum, compare_fingerprints, fingerprint
 from rlfleet.weightsync._layout import ALIGNMENT, DEFAULT_BUCKET_BYTES, BucketSpec, Layout, TensorSpec
+from rlfleet.weightsync._offload import (
+    OffloadStats,
+    is_offloaded,
+    offload_module,
+    offload_optimizer,
+    reload_module,
+    reload_optimizer,
+)
 from rlfleet.weightsync._packing import (
     bucket_starts,
     bucket_views,
@@ -41,6 +50,9 @@ from rlfleet.weightsync._rendezvous import (
     init_process_group_bounded,
     new_group_bounded,
 )
+from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
+from rlfleet.weightsync._shm import SharedSegment, cleanup_stale_segments, process_alive
+from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
 from rlfleet.weightsync._wire import BucketTarget, Control, Header, SyncStats, bucket_segments
 
 __all__ = [
@@ -65,6 +77,24 @@ __all__ = [
     "armed_watchdogs",
     "stand_down",
     "stand_down_armed_watchdogs",
+    "BufferBase",
+    "DirectBuffer",
+    "DoubleBuffer",
+    "ServingLock",
+    "live_tensors",
+    "OffloadStats",
+    "is_offloaded",
+    "offload_module",
+    "offload_optimizer",
+    "reload_module",
+    "reload_optimizer",
+    "SharedBuffer",
+    "SharedBufferReader",
+    "SharedSegment",
+    "cleanup_stale_segments",
+    "process_alive",
+    "ShmRingReceiver",
+    "ShmRingSender",
     "DEFAULT_BUCKET_BYTES",
     "DTYPES",
     "BucketConsumer",

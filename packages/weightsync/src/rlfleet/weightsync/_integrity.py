@@ -7,19 +7,36 @@ with a relative tolerance); `checksum` is exact (a hash of every byte, dtype and
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
 
-def _host_bytes(tensor: torch.Tensor) -> memoryview:
+@contextlib.contextmanager
+def _host_bytes(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """The tensor's bytes as a memoryview, zero-copy when it is a contiguous CPU tensor.
+
+    Read through ctypes rather than ``.numpy()``: a numpy export marks the storage
+    non-resizable for good, which would stop `offload_module` from freeing it later.
+    """
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    flat = flat.contiguous().view(torch.uint8)
-    return flat.numpy().data.cast("B")
+    flat = flat.contiguous()
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        yield memoryview(b"")
+        return
+    view = memoryview((ctypes.c_ubyte * nbytes).from_address(flat.data_ptr())).cast("B")
+    try:
+        yield view  # `flat` stays referenced (and its memory alive) until the caller is done
+    finally:
+        view.release()
+        del flat
 
 
 def checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
@@ -28,13 +45,15 @@ def checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(state_dict):
         tensor = state_dict[name]
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        digest.update(_host_bytes(tensor))
+        with _host_bytes(tensor) as data:
+            digest.update(data)
     return digest.hexdigest()
 
 
 def bucket_checksum(buffer: torch.Tensor) -> int:
     """CRC32 of a bucket's bytes: catches corruption in flight, fast enough for every bucket."""
-    return zlib.crc32(_host_bytes(buffer)) & 0xFFFFFFFF
+    with _host_bytes(buffer) as data:
+        return zlib.crc32(data) & 0xFFFFFFFF
 
 
 def fingerprint(state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:

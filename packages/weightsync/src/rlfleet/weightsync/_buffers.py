@@ -1,0 +1,374 @@
+"""Weight buffers on the receiving side: where bucket bytes land and how a version becomes live.
+
+Each buffer is a `BucketConsumer` over a receiver's live tensors (a ``name -> tensor`` dict,
+e.g. ``module.state_dict(keep_vars=True)``), and keeps the seed's strategy names:
+
+- `DirectBuffer` ("None"): no buffer kept between syncs. By default it stages the incoming
+  version in scratch memory allocated for the sync and freed at commit, so a failed sync
+  leaves version v intact; with ``max_staging_bytes`` below the model size it writes buckets
+  straight into the live tensors (memory O(0)) and is *not* atomic: a failure mid-stream
+  leaves a mix of v and v+1, reported by `torn`.
+- `DoubleBuffer` ("Double"): a full staging copy allocated once and reused; the receiver keeps
+  serving v while v+1 arrives, and commit flips to v+1 under an exclusive `serving` lock
+  (``mode="copy"`` copies staging into the live tensors; ``mode="swap"`` swaps storages in
+  O(number of tensors), and the old storages become the next staging area).
+- `SharedBuffer` ("Shared", in `_shared_buffer`): one per node in shared memory.
+
+Every error leaves the applied version in place: out-of-order versions raise VersionError at
+`begin`, a commit with a missing bucket raises IncompleteSyncError, and a transport error ends
+in `abort`, which drops what was received.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Literal
+
+import torch
+
+from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._errors import IncompleteSyncError, MetadataError, VersionError, WeightSyncError
+from rlfleet.weightsync._layout import DEFAULT_BUCKET_BYTES, Layout
+from rlfleet.weightsync._packing import bucket_starts, unpack_bucket_into
+
+__all__ = ["BufferBase", "DirectBuffer", "DoubleBuffer", "ServingLock", "live_tensors"]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_COMMIT_TIMEOUT_S = 60.0
+
+
+def live_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a module actually computes with (parameters and persistent buffers), by name.
+
+    ``state_dict(keep_vars=True)``: the Parameter / buffer objects themselves, so in-place
+    copies and ``.data`` swaps reach the module (``keep_vars=False`` returns detached aliases,
+    whose ``.data`` can be swapped without the module noticing).
+    """
+    return dict(module.state_dict(keep_vars=True))
+
+
+class ServingLock:
+    """Many servers at once, or one committer: a writer-preferring readers/writer lock.
+
+    The serving path wraps each forward pass in `shared()`; a commit takes `exclusive()`, so a
+    request sees all of v or all of v+1. Do not nest `shared()` in one thread while a commit
+    may be waiting (writer preference would make the inner call wait for the commit).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextlib.contextmanager
+    def shared(self, deadline: Deadline | float | None = None) -> Iterator[None]:
+        deadline = Deadline.coerce(deadline)
+        with self._cond:
+            deadline.wait(
+                self._cond,
+                "waiting for a weight commit to finish",
+                lambda: not (self._writer or self._waiting_writers),
+            )
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self, deadline: Deadline | float | None = None) -> Iterator[None]:
+        deadline = Deadline.coerce(deadline)
+        with self._cond:
+            self._waiting_writers += 1
+            try:
+                deadline.wait(
+                    self._cond,
+                    "waiting for in-flight requests before a weight commit",
+                    lambda: not (self._writer or self._readers),
+                )
+            finally:
+                self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class BufferBase:
+    """Session bookkeeping shared by the buffers: versions, bucket accounting, abort."""
+
+    def __init__(self, layout: Layout) -> None:
+        self._layout = layout
+        self._version = -1
+        self._pending: int | None = None
+        self._received: set[int] = set()
+        self._state_lock = threading.RLock()
+        self._starts = bucket_starts(layout)
+        self.last_error: BaseException | None = None
+
+    # -- BucketConsumer -------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def version(self) -> int:
+        """The applied (visible) version; -1 before the first commit."""
+        return self._version
+
+    @property
+    def pending_version(self) -> int | None:
+        return self._pending
+
+    def begin(self, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise VersionError(f"version must be an int, got {version!r}")
+        with self._state_lock:
+            if self._pending is not None:
+                _log.warning(
+                    "%s: begin(%d) while version %d was pending; dropping it",
+                    type(self).__name__,
+                    version,
+                    self._pending,
+                )
+                self._drop_pending()
+            if version <= self._version:
+                raise VersionError(f"version {version} is not newer than the applied version {self._version}")
+            self._begin(version)
+            self._pending = version
+            self._received = set()
+
+    def consume(self, index: int, data: torch.Tensor) -> None:
+        with self._state_lock:
+            if self._pending is None:
+                raise WeightSyncError(f"bucket {index} arrived outside a sync (no begin, or after abort)")
+            buckets = self._layout.buckets
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(buckets):
+                raise MetadataError(f"bucket {index!r} does not exist (layout has {len(buckets)})")
+            nbytes = buckets[index].nbytes
+            if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != nbytes:
+                raise MetadataError(
+                    f"bucket {index} must be {nbytes} flat uint8 bytes, got {data.dtype} {tuple(data.shape)}"
+                )
+            if index in self._received:
+                raise MetadataError(f"bucket {index} of version {self._pending} arrived twice")
+            self._stage(index, data)
+            self._received.add(index)
+
+    def commit(self, version: int) -> None:
+        with self._state_lock:
+            if self._pending is None or version != self._pending:
+                raise VersionError(f"commit of version {version}, but the pending version is {self._pending}")
+            missing = [b.index for b in self._layout.buckets if b.index not in self._received]
+            if missing:
+                first = self._layout.buckets[missing[0]]
+                error = IncompleteSyncError(
+                    f"version {version} is missing {len(missing)} of {len(self._layout.buckets)} buckets "
+                    f"(first: bucket {first.index}, holding {first.tensors[0].name!r})"
+                )
+                self.abort(error)
+                raise error
+            try:
+                self._publish(version)
+            except BaseException as exc:
+                self.abort(exc)
+                raise
+            self._version = version
+            self._pending = None
+            self._received = set()
+
+    def abort(self, error: BaseException) -> None:
+        with self._state_lock:
+            self.last_error = error
+            if self._pending is not None:
+                self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        try:
+            self._drop()
+        finally:
+            self._pending = None
+            self._received = set()
+
+    # -- strategy hooks -------------------------------------------------------------------
+    def _begin(self, version: int) -> None:  # pragma: no cover - trivial default
+        pass
+
+    def _stage(self, index: int, data: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _publish(self, version: int) -> None:
+        raise NotImplementedError
+
+    def _drop(self) -> None:  # pragma: no cover - trivial default
+        pass
+
+
+def _checked_live(
+    live: Mapping[str, torch.Tensor] | torch.nn.Module, layout: Layout | None, bucket_bytes: int
+) -> tuple[dict[str, torch.Tensor], Layout]:
+    tensors = live_tensors(live) if isinstance(live, torch.nn.Module) else dict(live)
+    layout = layout if layout is not None else Layout.from_state_dict(tensors, bucket_bytes)
+    layout.check_state_dict(tensors)
+    return tensors, layout
+
+
+def _storage_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors.values():
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class _ServingMixin:
+    serving_lock: ServingLock
+    commit_timeout_s: float | None
+
+    @contextlib.contextmanager
+    def serving(self, deadline: Deadline | float | None = None) -> Iterator[None]:
+        """Hold around a forward pass: a commit waits for it, and it never sees half a version."""
+        with self.serving_lock.shared(deadline):
+            yield
+
+
+class DirectBuffer(_ServingMixin, BufferBase):
+    """Strategy "None": nothing kept between syncs.
+
+    With ``max_staging_bytes=None`` (default) or a cap at least the layout's size, the version
+    is staged in a scratch buffer allocated at `begin` and freed after `commit`: atomic, at the
+    cost of a transient full copy. With a smaller cap it writes each bucket into the live
+    tensors as it arrives: no extra memory, but serving during the sync sees a mix, and a
+    failure mid-stream leaves the live tensors torn (`torn` is True, `version` unchanged)
+    until the next complete sync. Choose "Double" or "Shared" when atomicity matters and
+    memory is short.
+    """
+
+    def __init__(
+        self,
+        live: Mapping[str, torch.Tensor] | torch.nn.Module,
+        layout: Layout | None = None,
+        *,
+        max_staging_bytes: int | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        commit_timeout_s: float | None = DEFAULT_COMMIT_TIMEOUT_S,
+    ) -> None:
+        self.live, layout = _checked_live(live, layout, bucket_bytes)
+        super().__init__(layout)
+        self.max_staging_bytes = max_staging_bytes
+        self.commit_timeout_s = commit_timeout_s
+        self.serving_lock = ServingLock()
+        self.torn = False
+        self.peak_extra_bytes = 0
+        self._staging: torch.Tensor | None = None
+        self._device = next(iter(self.live.values())).device if self.live else torch.device("cpu")
+
+    @property
+    def atomic(self) -> bool:
+        return self.max_staging_bytes is None or self._layout.padded_bytes <= self.max_staging_bytes
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes held beyond the live tensors right now (0 between syncs)."""
+        return 0 if self._staging is None else self._staging.numel()
+
+    def _begin(self, version: int) -> None:
+        if self.atomic:
+            self._staging = torch.empty(self._layout.padded_bytes, dtype=torch.uint8, device=self._device)
+            self.peak_extra_bytes = max(self.peak_extra_bytes, self._staging.numel())
+
+    def _stage(self, index: int, data: torch.Tensor) -> None:
+        if self._staging is not None:
+            start = self._starts[index]
+            self._staging[start : start + data.numel()].copy_(data)
+            return
+        self.torn = True
+        unpack_bucket_into(self._layout, index, data, self.live)
+
+    def _publish(self, version: int) -> None:
+        staging = self._staging
+        if staging is not None:
+            with self.serving_lock.exclusive(self.commit_timeout_s):
+                for bucket, start in zip(self._layout.buckets, self._starts, strict=True):
+                    unpack_bucket_into(
+                        self._layout, bucket.index, staging[start : start + bucket.nbytes], self.live
+                    )
+        self._staging = None
+        self.torn = False
+
+    def _drop(self) -> None:
+        self._staging = None
+        if self.torn:
+            _log.error(
+                "DirectBuffer (in place, max_staging_bytes=%s): sync aborted mid-stream; live weights "
+                "are torn between version %d and the aborted one until the next complete sync",
+                self.max_staging_bytes,
+                self._version,
+            )
+
+
+class DoubleBuffer(_ServingMixin, BufferBase):
+    """Strategy "Double": a full staging copy, allocated once and reused for every version.
+
+    The receiver keeps serving version v (under `serving()`) while v+1 lands in staging;
+    `commit` checks every bucket arrived, then flips under the exclusive serving lock:
+
+    - ``mode="copy"`` (default) copies staging into the live tensors. Works with any tensors
+      that alias the model's (``state_dict(keep_vars=False)`` too); commit costs one memcpy.
+    - ``mode="swap"`` sets each live tensor's ``.data`` to its staging tensor and keeps the old
+      storage as the next staging area: commit costs O(number of tensors), no copy. The live
+      dict must hold the objects the model computes with (`live_tensors(module)`); anything
+      else that captured the old storage (a CUDA graph, a detached alias) keeps seeing v.
+    """
+
+    def __init__(
+        self,
+        live: Mapping[str, torch.Tensor] | torch.nn.Module,
+        layout: Layout | None = None,
+        *,
+        mode: Literal["copy", "swap"] = "copy",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        commit_timeout_s: float | None = DEFAULT_COMMIT_TIMEOUT_S,
+    ) -> None:
+        if mode not in ("copy", "swap"):
+            raise ValueError(f"DoubleBuffer mode must be 'copy' or 'swap', got {mode!r}")
+        self.live, layout = _checked_live(live, layout, bucket_bytes)
+        super().__init__(layout)
+        self.mode = mode
+        self.commit_timeout_s = commit_timeout_s
+        self.serving_lock = ServingLock()
+        with torch.no_grad():
+            self.staging: dict[str, torch.Tensor] = {
+                name: torch.empty_like(tensor.detach(), memory_format=torch.preserve_format)
+                for name, tensor in self.live.items()
+            }
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes of the staging copy (allocated once)."""
+        return _storage_bytes(self.staging)
+
+    def _stage(self, index: int, data: torch.Tensor) -> None:
+        unpack_bucket_into(self._layout, index, data, self.staging)
+
+    def _publish(self, version: int) -> None:
+        with self.serving_lock.exclusive(self.commit_timeout_s), torch.no_grad():
+            if self.mode == "copy":
+                for name, tensor in self.live.items():
+                    tensor.copy_(self.staging[name])
+                return
+            for name, tensor in self.live.items():
+                previous = tensor.data
+                tensor.data = self.staging[name]
+                self.staging[name] = previous

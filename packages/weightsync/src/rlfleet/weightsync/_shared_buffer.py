@@ -1,0 +1,457 @@
+"""Strategy "Shared": one weight buffer per node, in shared memory, read in place by every receiver.
+
+The segment holds two slots, each a flat all-buckets copy of the model (`pack_all` order), so
+version v stays readable while v+1 is written. One node writer fills the free slot, either as a
+`BucketConsumer` (fed by any transport: the node's receiver of a cross-node sync) or with
+`publish(state_dict, version)` straight from a trainer on the node (one copy of the bytes
+serves every local receiver). Readers map the data read-only and bind their parameters to
+zero-copy views of the newest committed slot, so per-node weight memory is two model copies
+whatever the number of receivers.
+
+Safety: each reader records in the header which slot it is bound to (with its pid and start
+time). The writer marks the slot it is about to write, then waits, under a deadline, until no
+live reader is bound to it; readers pick slots and writers claim them under an flock on the
+segment, which the kernel releases if its holder dies. A dead reader's marker is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from rlfleet.weightsync._buffers import BufferBase
+from rlfleet.weightsync._deadline import Backoff, Deadline
+from rlfleet.weightsync._errors import LayoutMismatchError, MetadataError, PeerLostError, WeightSyncError
+from rlfleet.weightsync._layout import Layout
+from rlfleet.weightsync._packing import flat_views, pack_bucket
+from rlfleet.weightsync._shm import PAGE, SharedSegment, page_align, process_alive, process_identity
+
+__all__ = ["SharedBuffer", "SharedBufferReader"]
+
+_log = logging.getLogger(__name__)
+
+MAGIC = 0x524C46_53484152  # "RLF" "SHAR"
+FORMAT = 1
+SLOTS = 2
+G_MAGIC, G_FORMAT, G_NUM_READERS, G_SLOT_BYTES = 0, 1, 2, 3
+G_LAYOUT_LEN, G_LAYOUT_OFFSET, G_DATA_OFFSET, G_WRITER_PID = 4, 5, 6, 7
+G_WRITER_START, G_CLOSED = 8, 9
+G_DIGEST = 16  # 4 words
+SLOT_BASE, SLOT_WORDS = 24, 2
+S_VERSION, S_STATE = 0, 1
+EMPTY, WRITING, COMMITTED = 0, 1, 2
+READER_BASE = SLOT_BASE + SLOT_WORDS * SLOTS
+READER_WORDS = 4
+R_PID, R_START, R_IN_USE, R_VERSION = 0, 1, 2, 3
+MAX_READERS = 4096
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def _words(num_readers: int) -> int:
+    return READER_BASE + READER_WORDS * num_readers
+
+
+class _Header:
+    def __init__(self, words: np.ndarray) -> None:
+        self.h = words
+
+    def get(self, word: int) -> int:
+        return int(self.h[word])
+
+    def set(self, word: int, value: int) -> None:
+        self.h[word] = value
+
+    @staticmethod
+    def slot(j: int, field: int) -> int:
+        return SLOT_BASE + SLOT_WORDS * j + field
+
+    @staticmethod
+    def reader(i: int, field: int) -> int:
+        return READER_BASE + READER_WORDS * i + field
+
+    def newest(self) -> int | None:
+        """The committed slot with the highest version (None before the first commit)."""
+        best: int | None = None
+        for j in range(SLOTS):
+            if self.get(self.slot(j, S_STATE)) == COMMITTED and (
+                best is None or self.get(self.slot(j, S_VERSION)) > self.get(self.slot(best, S_VERSION))
+            ):
+                best = j
+        return best
+
+    def reader_alive(self, i: int) -> bool:
+        return process_alive(self.get(self.reader(i, R_PID)), self.get(self.reader(i, R_START)))
+
+
+class SharedBuffer(BufferBase):
+    """The node writer of a shared weight buffer (a `BucketConsumer`).
+
+    ``SharedBuffer(layout, num_readers)`` creates the segment; hand `name` to the receivers on
+    the node (`SharedBufferReader.attach`). `begin` waits, at most ``timeout_s``, for readers
+    still bound to the slot it needs to refresh onto the newer one.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        num_readers: int,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        prefix: str = "rlfleet",
+    ) -> None:
+        if (
+            isinstance(num_readers, bool)
+            or not isinstance(num_readers, int)
+            or not 1 <= num_readers <= MAX_READERS
+        ):
+            raise ValueError(f"num_readers must be an int in [1, {MAX_READERS}], got {num_readers!r}")
+        super().__init__(layout)
+        self.num_readers = num_readers
+        self.timeout_s = timeout_s
+        layout_json = layout.to_json()
+        words = _words(num_readers)
+        layout_offset = (words * 8 + 63) // 64 * 64
+        data_offset = page_align(layout_offset + len(layout_json))
+        self.slot_bytes = max(PAGE, page_align(layout.padded_bytes))
+        self._segment = SharedSegment.create(data_offset + SLOTS * self.slot_bytes, prefix=prefix)
+        buf = self._segment.buffer
+        header = _Header(np.frombuffer(buf, dtype=np.int64, count=words))
+        self._header = header
+        buf[layout_offset : layout_offset + len(layout_json)] = layout_json
+        header.h[G_DIGEST : G_DIGEST + 4] = np.frombuffer(bytes.fromhex(layout.digest), dtype=np.int64)
+        pid, start = process_identity()
+        for word, value in (
+            (G_FORMAT, FORMAT),
+            (G_NUM_READERS, num_readers),
+            (G_SLOT_BYTES, self.slot_bytes),
+            (G_LAYOUT_LEN, len(layout_json)),
+            (G_LAYOUT_OFFSET, layout_offset),
+            (G_DATA_OFFSET, data_offset),
+            (G_WRITER_PID, pid),
+            (G_WRITER_START, start),
+        ):
+            header.set(word, value)
+        for i in range(num_readers):
+            header.set(header.reader(i, R_IN_USE), -1)
+        header.set(G_MAGIC, MAGIC)
+        self._slots = [
+            self._segment.tensor(data_offset + j * self.slot_bytes, self.slot_bytes) for j in range(SLOTS)
+        ]
+        self._writing: int | None = None
+        self._begin_deadline: Deadline | None = None
+
+    @property
+    def name(self) -> str:
+        return self._segment.name
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes of the node's segment (two model copies, whatever the number of readers)."""
+        return self._segment.size
+
+    def _deadline(self) -> Deadline:
+        return Deadline(self.timeout_s)
+
+    # -- BucketConsumer hooks -------------------------------------------------------------
+    def _begin(self, version: int) -> None:
+        self._claim_slot(self._begin_deadline or self._deadline())
+
+    def _claim_slot(self, deadline: Deadline) -> None:
+        header = self._header
+        with self._segment.locked(deadline, "claiming a slot"):
+            newest = header.newest()
+            target = 0 if newest is None else 1 - newest
+            previous_state = header.get(header.slot(target, S_STATE))
+            header.set(header.slot(target, S_STATE), WRITING)
+        backoff = Backoff()
+        try:
+            while (holder := self._reader_on(target)) is not None:
+                if deadline.expired:
+                    pid = header.get(header.reader(holder, R_PID))
+                    raise deadline.error(
+                        f"shared buffer {self.name}: reader {holder} (pid {pid}) still reads slot {target} "
+                        f"(version {header.get(header.slot(target, S_VERSION))}); it must refresh()"
+                    )
+                backoff.sleep(deadline.remaining())
+        except BaseException:
+            with self._segment.locked(Deadline(None), "releasing a slot"):
+                header.set(header.slot(target, S_STATE), previous_state)
+            raise
+        self._writing = target
+
+    def _reader_on(self, slot: int) -> int | None:
+        header = self._header
+        for i in range(self.num_readers):
+            if header.get(header.reader(i, R_IN_USE)) == slot and header.reader_alive(i):
+                return i
+        return None
+
+    def _slot_region(self, index: int) -> torch.Tensor:
+        assert self._writing is not None
+        start = self._starts[index]
+        return self._slots[self._writing][start : start + self._layout.buckets[index].nbytes]
+
+    def _stage(self, index: int, data: torch.Tensor) -> None:
+        self._slot_region(index).copy_(data)
+
+    def _publish(self, version: int) -> None:
+        header, target = self._header, self._writing
+        assert target is not None
+        with self._segment.locked(self._deadline(), "publishing a version"):
+            header.set(header.slot(target, S_VERSION), version)
+            header.set(header.slot(target, S_STATE), COMMITTED)
+        self._writing = None
+
+    def _drop(self) -> None:
+        if self._writing is not None:
+            with self._segment.locked(Deadline(None), "dropping a version"):
+                self._header.set(self._header.slot(self._writing, S_STATE), EMPTY)
+            self._writing = None
+
+    # -- direct path ------------------------------------------------------------------------
+    def publish(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, deadline: Deadline | float | None = None
+    ) -> None:
+        """Pack `state_dict` straight into the free slot and commit it as `version` (one copy)."""
+        deadline = Deadline.coerce(deadline) if deadline is not None else self._deadline()
+        self._layout.check_state_dict(state_dict)
+        self._begin_deadline = deadline
+        try:
+            self.begin(version)
+        finally:
+            self._begin_deadline = None
+        try:
+            with self._state_lock:
+                assert self._writing is not None
+                for bucket in self._layout.buckets:
+                    pack_bucket(self._layout, bucket.index, state_dict, self._slot_region(bucket.index))
+                    self._received.add(bucket.index)
+            self.commit(version)
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+
+    # -- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Tell readers the writer is gone and unlink the segment (bound readers keep their views)."""
+        if self._segment.closed:
+            return
+        self._header.set(G_CLOSED, 1)
+        self._slots = []
+        self._header = _Header(np.zeros(_words(self.num_readers), dtype=np.int64))
+        self._segment.close()
+        self._segment.unlink()
+
+    def __enter__(self) -> SharedBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SharedBufferReader:
+    """A receiver on the node: binds its tensors to read-only views of the newest version.
+
+    Writes through the bound tensors fault (the mapping is read-only), so receivers cannot
+    corrupt each other's weights. Call `refresh()` when idle (between requests) to move to the
+    newest committed version; the writer waits for readers to leave the older slot.
+    """
+
+    def __init__(
+        self,
+        segment: SharedSegment,
+        header: _Header,
+        reader_index: int,
+        layout: Layout,
+        slots: list[torch.Tensor],
+    ) -> None:
+        self._segment = segment
+        self._header = header
+        self.reader_index = reader_index
+        self.layout = layout
+        self._slots = slots
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._slot: int | None = None
+        self._version = -1
+        self._bound: list[dict[str, torch.Tensor]] = []
+
+    @property
+    def name(self) -> str:
+        return self._segment.name
+
+    @property
+    def version(self) -> int:
+        """The version this reader is bound to; -1 before the first `refresh`."""
+        return self._version
+
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        reader_index: int | None = None,
+        *,
+        expected_layout: Layout | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> SharedBufferReader:
+        """Join shared buffer `name` as `reader_index` (or the first free index)."""
+        deadline = Deadline(timeout_s)
+        segment = SharedSegment.attach(name, map_whole=False)
+        try:
+            probe = np.frombuffer(segment.map_region(0, PAGE), dtype=np.int64, count=SLOT_BASE).copy()
+            if probe[G_MAGIC] != MAGIC or probe[G_FORMAT] != FORMAT:
+                raise MetadataError(f"{name!r} is not an rlfleet shared buffer of format {FORMAT}")
+            num_readers, slot_bytes = int(probe[G_NUM_READERS]), int(probe[G_SLOT_BYTES])
+            data_offset, layout_offset = int(probe[G_DATA_OFFSET]), int(probe[G_LAYOUT_OFFSET])
+            layout_len = int(probe[G_LAYOUT_LEN])
+            if (
+                not 1 <= num_readers <= MAX_READERS
+                or data_offset % PAGE
+                or data_offset + SLOTS * slot_bytes != segment.size
+                or not 0 < layout_offset < layout_offset + layout_len <= data_offset
+            ):
+                raise MetadataError(f"shared buffer {name!r} has an inconsistent header")
+            control = segment.map_region(0, data_offset)
+            header = _Header(np.frombuffer(control, dtype=np.int64, count=_words(num_readers)))
+            layout = Layout.from_json(bytes(control[layout_offset : layout_offset + layout_len]))
+            if layout.padded_bytes > slot_bytes:
+                raise MetadataError(f"shared buffer {name!r}: layout does not fit its slots")
+            if expected_layout is not None and expected_layout.digest != layout.digest:
+                problem = expected_layout.diff(layout) or "digests differ"
+                param = problem.split("'")[1] if "'" in problem else None
+                raise LayoutMismatchError(
+                    f"shared buffer {name!r}: receiver layout vs writer: {problem}", param
+                )
+            data = segment.map_region(data_offset, SLOTS * slot_bytes, readonly=True)
+            slots = [segment.tensor(j * slot_bytes, slot_bytes, region=data) for j in range(SLOTS)]
+            me, my_start = process_identity()
+            with segment.locked(deadline, "claiming a reader index"):
+                index = cls._claim_index(header, num_readers, reader_index, name)
+                header.set(header.reader(index, R_IN_USE), -1)
+                header.set(header.reader(index, R_VERSION), -1)
+                header.set(header.reader(index, R_START), my_start)
+                header.set(header.reader(index, R_PID), me)
+            return cls(segment, header, index, layout, slots)
+        except BaseException:
+            segment.close()
+            raise
+
+    @staticmethod
+    def _claim_index(header: _Header, num_readers: int, wanted: int | None, name: str) -> int:
+        candidates = range(num_readers) if wanted is None else [wanted]
+        if wanted is not None and (
+            isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 <= wanted < num_readers
+        ):
+            raise ValueError(
+                f"reader_index {wanted!r} out of range: shared buffer {name!r} has {num_readers}"
+            )
+        for i in candidates:
+            pid = header.get(header.reader(i, R_PID))
+            if pid == 0 or not header.reader_alive(i):
+                return i
+        if wanted is not None:
+            pid = header.get(header.reader(wanted, R_PID))
+            raise WeightSyncError(f"shared buffer {name!r}: reader index {wanted} is held by live pid {pid}")
+        raise WeightSyncError(f"shared buffer {name!r}: all {num_readers} reader indices are taken")
+
+    # -- versions -------------------------------------------------------------------------
+    def latest_version(self) -> int:
+        """Newest committed version in the segment (-1 if none), without binding to it."""
+        newest = self._header.newest()
+        return -1 if newest is None else self._header.get(self._header.slot(newest, S_VERSION))
+
+    def refresh(self, deadline: Deadline | float | None = None) -> int:
+        """Bind to the newest committed version (no-op if already there); returns the bound version."""
+        deadline = Deadline.coerce(deadline if deadline is not None else DEFAULT_TIMEOUT_S)
+        header, me = self._header, self.reader_index
+        if header.get(G_CLOSED) and self._slot is not None:
+            return self._version
+        with self._segment.locked(deadline, "binding to the newest version"):
+            newest = header.newest()
+            if newest is None:
+                return self._version
+            version = header.get(header.slot(newest, S_VERSION))
+            if newest == self._slot and version == self._version:
+                return version
+            header.set(header.reader(me, R_IN_USE), newest)
+            header.set(header.reader(me, R_VERSION), version)
+        self._slot, self._version = newest, version
+        self._rebind()
+        return version
+
+    def wait_for_version(self, minimum: int, deadline: Deadline | float | None = None) -> int:
+        """Poll until a version >= `minimum` is committed, then bind to it."""
+        deadline = Deadline.coerce(deadline if deadline is not None else DEFAULT_TIMEOUT_S)
+
+        def ready() -> bool:
+            return self.latest_version() >= minimum
+
+        def writer_alive() -> None:
+            header = self._header
+            if not process_alive(header.get(G_WRITER_PID), header.get(G_WRITER_START)) or header.get(
+                G_CLOSED
+            ):
+                raise PeerLostError(f"shared buffer {self.name}: writer is gone before version {minimum}")
+
+        deadline.poll(ready, f"shared buffer {self.name}: version {minimum}", on_wait=writer_alive)
+        return self.refresh(deadline)
+
+    # -- views and binding ----------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Zero-copy read-only views of the bound version, by name (empty before `refresh`)."""
+        if self._slot is None:
+            return {}
+        views = self._views.get(self._slot)
+        if views is None:
+            views = flat_views(self.layout, self._slots[self._slot])
+            self._views[self._slot] = views
+        return views
+
+    def bind(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """Point each target tensor's ``.data`` at the bound version's view (now and after refresh)."""
+        self.layout.check_state_dict(targets)
+        self._bound.append(dict(targets))
+        self._rebind()
+
+    def bind_module(self, module: torch.nn.Module) -> None:
+        """Make `module` compute with the shared weights: its parameters and buffers become views.
+
+        The module's own weight storage is released (if nothing else holds it). Do not write to
+        the parameters: the mapping is read-only, a write faults.
+        """
+        self.bind(module.state_dict(keep_vars=True))
+
+    def _rebind(self) -> None:
+        if self._slot is None or not self._bound:
+            return
+        views = self.tensors()
+        with torch.no_grad():
+            for targets in self._bound:
+                for name, tensor in targets.items():
+                    tensor.data = views[name]
+
+    def data_range(self) -> tuple[int, int]:
+        """[start, end) addresses of this reader's mapping of the slots (to verify zero-copy)."""
+        first, last = self._slots[0], self._slots[-1]
+        return first.data_ptr(), last.data_ptr() + last.numel()
+
+    # -- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Leave the buffer: the writer may then overwrite the slot bound tensors still view."""
+        if self._segment.closed:
+            return
+        header, me = self._header, self.reader_index
+        header.set(header.reader(me, R_IN_USE), -1)
+        header.set(header.reader(me, R_PID), 0)
+        self._bound = []
+        self._views = {}
+        self._slots = []
+        self._segment.close()
+
+    def __enter__(self) -> SharedBufferReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

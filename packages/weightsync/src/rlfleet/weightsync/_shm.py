@@ -1,0 +1,340 @@
+"""Named shared-memory segments on one node (CPU), safe to create, share and clean up.
+
+A segment is a file in ``/dev/shm`` created with ``O_CREAT | O_EXCL`` and mode 0600 (only
+this user can map it), under a name no one can guess or reuse:
+``{prefix}_{creator pid}_{creator start time}_{128 random bits}``. The creator's pid and
+start time in the name let `cleanup_stale_segments` find segments whose creator died without
+unlinking them (SIGKILL, OOM), even when the pid has since been reused. A process unlinks the
+segments it created when their owner object is collected or at exit.
+
+Tensors over a segment are zero-copy (`torch.frombuffer` over a memoryview that pins the
+mapping: the mapping cannot be unmapped while a tensor still points into it). A read-only
+mapping gives tensors whose storage the OS refuses to write: a reader cannot corrupt weights
+that other processes share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rlfleet.weightsync._deadline import Backoff, Deadline
+from rlfleet.weightsync._errors import WeightSyncError
+
+__all__ = [
+    "SHM_DIR",
+    "SharedSegment",
+    "cleanup_stale_segments",
+    "memory_fence",
+    "process_alive",
+    "process_identity",
+    "segment_creator",
+]
+
+SHM_DIR = Path("/dev/shm")
+PAGE = mmap.ALLOCATIONGRANULARITY
+_PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,63}$")
+_NAME_RE = re.compile(
+    r"^(?P<prefix>[A-Za-z][A-Za-z0-9-]{0,63})_(?P<pid>\d{1,10})_(?P<start>\d{1,20})_[0-9a-f]{32}$"
+)
+
+
+def page_align(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def _stat_start_time(pid: int) -> int | None:
+    """Start time (clock ticks after boot) of a live process; None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X", b"x"):  # zombie / dead: killed, not yet reaped
+        return None
+    return int(fields[19])
+
+
+def process_identity(pid: int | None = None) -> tuple[int, int]:
+    """(pid, start time) of a process: the pair stays unique when the OS reuses pids."""
+    pid = os.getpid() if pid is None else pid
+    return pid, _stat_start_time(pid) or 0
+
+
+def process_alive(pid: int, start_time: int = 0) -> bool:
+    """True if `pid` runs (not a zombie) and, when `start_time` is given, is the same process."""
+    if pid <= 0:
+        return False
+    if not Path("/proc/self/stat").exists():  # pragma: no cover - non-Linux fallback
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    started = _stat_start_time(pid)
+    if started is None:
+        return False
+    return not start_time or started == start_time
+
+
+_fence_lock = threading.Lock()
+
+
+def memory_fence() -> None:
+    """A full memory barrier, from Python.
+
+    Lock acquire/release is an atomic read-modify-write (``lock cmpxchg`` on x86-64, acquire /
+    release pairs on arm64): stores before it become visible before stores after it, which is
+    what a shared-memory "data, then sequence number" publication needs.
+    """
+    with _fence_lock:
+        pass
+
+
+# -- segments -----------------------------------------------------------------------------------
+
+
+def segment_creator(name: str) -> tuple[int, int] | None:
+    """(pid, start time) encoded in a segment name of ours; None for foreign names."""
+    match = _NAME_RE.match(name)
+    if match is None:
+        return None
+    return int(match["pid"]), int(match["start"])
+
+
+def _unlink_if_creator(path: str, creator_pid: int) -> None:
+    # Runs from a finalizer or at exit: a forked child must not unlink its parent's segment.
+    if os.getpid() == creator_pid:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class SharedSegment:
+    """A shared-memory file in /dev/shm, mapped into this process.
+
+    `create` makes a new one (this process owns it and unlinks it); `attach` maps one that
+    another process created. `tensor()` gives zero-copy torch views.
+    """
+
+    def __init__(self, name: str, fd: int, size: int, owner: bool, readonly: bool, map_whole: bool) -> None:
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self.readonly = readonly
+        self._fd: int | None = fd
+        self._maps: list[mmap.mmap] = []
+        self._views: list[memoryview] = []
+        self._whole: memoryview | None = None
+        self._unlinked = False
+        self._thread_lock = threading.Lock()
+        self._finalizer: weakref.finalize[[str, int], SharedSegment] | None = None
+        if owner:
+            self._finalizer = weakref.finalize(self, _unlink_if_creator, str(self.path), os.getpid())
+        if map_whole:
+            self._whole = self.map_region(0, size, readonly=readonly)
+
+    @property
+    def path(self) -> Path:
+        return SHM_DIR / self.name
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def create(cls, nbytes: int, prefix: str = "rlfleet", map_whole: bool = True) -> SharedSegment:
+        """A new zero-filled segment of `nbytes`, mode 0600, with a fresh unguessable name."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise ValueError(f"segment size must be a positive int, got {nbytes!r}")
+        if not _PREFIX_RE.match(prefix):
+            raise ValueError(f"segment prefix must match {_PREFIX_RE.pattern}, got {prefix!r}")
+        pid, start = process_identity()
+        name = f"{prefix}_{pid}_{start}_{secrets.token_hex(16)}"
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, nbytes)
+            return cls(name, fd, nbytes, owner=True, readonly=False, map_whole=map_whole)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+
+    @classmethod
+    def attach(cls, name: str, readonly: bool = False, map_whole: bool = True) -> SharedSegment:
+        """Map a segment another process created; `readonly` maps it without write access."""
+        if not isinstance(name, str) or _NAME_RE.match(name) is None:
+            raise ValueError(f"not an rlfleet shared-memory segment name: {name!r:.120}")
+        flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            fd = os.open(SHM_DIR / name, flags)
+        except FileNotFoundError:
+            raise WeightSyncError(f"shared-memory segment {name!r} does not exist (creator gone?)") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < 1:
+                raise WeightSyncError(f"shared-memory segment {name!r} is empty")
+            return cls(name, fd, size, owner=False, readonly=readonly, map_whole=map_whole)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- mappings -----------------------------------------------------------------------
+    def map_region(self, offset: int, nbytes: int, readonly: bool | None = None) -> memoryview:
+        """Map `nbytes` at `offset` (page aligned); read-only when asked (or when attached so)."""
+        if self._fd is None:
+            raise WeightSyncError(f"segment {self.name!r} is closed")
+        ro = self.readonly if readonly is None else readonly
+        if not ro and self.readonly:
+            raise ValueError(f"segment {self.name!r} was attached read-only")
+        if offset % PAGE or offset < 0 or nbytes < 1 or offset + nbytes > self.size:
+            raise ValueError(
+                f"region [{offset}, {offset + nbytes}) of segment {self.name!r} (size {self.size}) "
+                f"must be non-empty, inside it and start on a {PAGE}-byte page"
+            )
+        prot = mmap.PROT_READ if ro else mmap.PROT_READ | mmap.PROT_WRITE
+        mapping = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=prot, offset=offset)
+        view = memoryview(mapping)
+        self._maps.append(mapping)
+        self._views.append(view)
+        return view
+
+    @property
+    def buffer(self) -> memoryview:
+        if self._whole is None:
+            raise WeightSyncError(f"segment {self.name!r} has no whole-segment mapping")
+        return self._whole
+
+    def tensor(
+        self,
+        offset: int = 0,
+        nbytes: int | None = None,
+        dtype: torch.dtype = torch.uint8,
+        region: memoryview | None = None,
+    ) -> torch.Tensor:
+        """A zero-copy 1-d tensor over bytes [offset, offset + nbytes) of a mapping.
+
+        The tensor pins the mapping (it holds a memoryview of it), so the memory stays mapped
+        as long as any tensor over it lives, whatever `close` is called.
+        """
+        source = self.buffer if region is None else region
+        nbytes = len(source) - offset if nbytes is None else nbytes
+        if offset < 0 or nbytes < 0 or offset + nbytes > len(source):
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside the mapping ({len(source)})")
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        if offset % dtype.itemsize or nbytes % dtype.itemsize:
+            raise ValueError(f"offset/size not aligned to {dtype}")
+        with warnings.catch_warnings():
+            # Read-only mappings: torch warns that it cannot mark the tensor read-only; the OS does.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(source[offset : offset + nbytes], dtype=dtype)
+
+    # -- teardown -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop this process's mappings (those still viewed by tensors unmap when they die)."""
+        self._whole = None
+        for view in self._views:
+            with contextlib.suppress(BufferError):  # an array still exports it
+                view.release()
+        for mapping in self._maps:
+            with contextlib.suppress(BufferError):  # tensors still point into it: GC unmaps later
+                mapping.close()
+        self._views.clear()
+        self._maps.clear()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid until unmapped; the name is never reused)."""
+        if not self._unlinked:
+            self._unlinked = True
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def fileno(self) -> int:
+        if self._fd is None:
+            raise WeightSyncError(f"segment {self.name!r} is closed")
+        return self._fd
+
+    @contextlib.contextmanager
+    def locked(self, deadline: Deadline, what: str) -> Iterator[None]:
+        """An exclusive lock on the segment across processes (flock; freed if its holder dies)."""
+        with self._thread_lock:  # flock is per open file: threads of one process need their own lock
+            backoff = Backoff()
+            while True:
+                try:
+                    fcntl.flock(self.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline.expired:
+                        raise deadline.error(f"locking segment {self.name!r} for {what}") from None
+                    backoff.sleep(deadline.remaining())
+            try:
+                yield
+            finally:
+                fcntl.flock(self.fileno(), fcntl.LOCK_UN)
+
+    def __enter__(self) -> SharedSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        role = "owner" if self.owner else "attached"
+        return (
+            f"SharedSegment({self.name!r}, {self.size} bytes, {role}{', read-only' if self.readonly else ''})"
+        )
+
+
+def cleanup_stale_segments(prefix: str = "rlfleet", directory: Path | str = SHM_DIR) -> list[str]:
+    """Unlink segments of ours whose creator process is dead (crashed before cleaning up).
+
+    Returns the names removed. Segments of live creators, and files whose names are not ours,
+    are left alone.
+    """
+    removed: list[str] = []
+    base = Path(directory)
+    try:
+        entries = list(base.iterdir())
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        creator = segment_creator(entry.name)
+        if creator is None or not entry.name.startswith(prefix + "_"):
+            continue
+        pid, start = creator
+        if process_alive(pid, start):
+            continue
+        try:
+            entry.unlink()
+            removed.append(entry.name)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -1,0 +1,553 @@
+"""ShmRing: one writer, many readers, buckets through a ring of shared-memory slots (one node).
+
+The writer packs bucket k straight into slot ``k % slots`` once every reader has acknowledged
+the bucket that slot held before, then publishes the slot's sequence number; readers hand each
+slot to their `BucketConsumer` and acknowledge it. With two or more slots the writer packs
+bucket k+1 while readers consume bucket k. A control header in the same segment carries
+everything a reader needs to check and a writer needs to wait safely:
+
+- the sender's layout (JSON) and its digest, so a receiver with another layout fails before
+  applying anything, naming the first differing parameter;
+- per-slot sequence numbers (and CRC32 when checksums are on);
+- per-reader pid + start time (liveness), ack counter, membership and outcome of each session;
+- the writer's pid + start time, the session (one per version), commit and abort markers.
+
+Publication is "write the data, memory fence, write the sequence number"; waits poll with a
+short backoff (20 us growing to 1 ms) under a `Deadline`, and check the peer's liveness, so a
+dead peer becomes `PeerLostError` and a stuck one `SyncTimeoutError`, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from rlfleet.weightsync._deadline import Backoff, Deadline
+from rlfleet.weightsync._errors import (
+    ChecksumMismatchError,
+    LayoutMismatchError,
+    MetadataError,
+    PeerLostError,
+    SyncAbortedError,
+    WeightSyncError,
+)
+from rlfleet.weightsync._integrity import bucket_checksum
+from rlfleet.weightsync._layout import Layout
+from rlfleet.weightsync._packing import pack_bucket
+from rlfleet.weightsync._protocol import BucketConsumer
+from rlfleet.weightsync._shm import (
+    PAGE,
+    SharedSegment,
+    memory_fence,
+    page_align,
+    process_alive,
+    process_identity,
+)
+
+__all__ = ["ShmRingReceiver", "ShmRingSender"]
+
+_log = logging.getLogger(__name__)
+
+MAGIC = 0x524C46_52494E47  # "RLF" "RING"
+FORMAT = 1
+
+# Global header words (int64).
+G_MAGIC, G_FORMAT, G_WRITER_PID, G_WRITER_START = 0, 1, 2, 3
+G_NUM_READERS, G_NUM_SLOTS, G_SLOT_BYTES, G_LAYOUT_LEN = 4, 5, 6, 7
+G_CHECKSUMS, G_SESSION, G_S_VERSION, G_S_BASE = 8, 9, 10, 11
+G_S_NBUCKETS, G_COMMIT, G_ABORT, G_CLOSED = 12, 13, 14, 15
+G_DATA_OFFSET, G_LAYOUT_OFFSET = 16, 17
+G_DIGEST = 24  # 4 words: the layout digest's 32 raw bytes
+SLOT_BASE = 32
+SLOT_WORDS = 4
+S_SEQ, S_BUCKET, S_NBYTES, S_CRC = 0, 1, 2, 3
+READER_WORDS = 8
+R_PID, R_START, R_ATTACHED, R_ACK, R_MEMBER, R_DONE, R_RESULT, R_EPOCH = 0, 1, 2, 3, 4, 5, 6, 7
+RESULT_COMMITTED, RESULT_FAILED = 1, 2
+
+MAX_READERS = 4096
+MAX_SLOTS = 64
+LIVENESS_PERIOD_S = 0.005
+
+
+def _header_words(num_slots: int, num_readers: int) -> int:
+    return SLOT_BASE + SLOT_WORDS * num_slots + READER_WORDS * num_readers
+
+
+class _Liveness:
+    """Rate-limited liveness probe (reading /proc costs a syscall; do it every few ms)."""
+
+    def __init__(self) -> None:
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + LIVENESS_PERIOD_S
+        return True
+
+
+class _Ring:
+    """Offsets of one ring segment, shared by sender and receivers."""
+
+    def __init__(self, header: np.ndarray, num_slots: int, num_readers: int) -> None:
+        self.h = header
+        self.num_slots = num_slots
+        self.num_readers = num_readers
+
+    def slot(self, j: int, field: int) -> int:
+        return SLOT_BASE + SLOT_WORDS * j + field
+
+    def reader(self, i: int, field: int) -> int:
+        return SLOT_BASE + SLOT_WORDS * self.num_slots + READER_WORDS * i + field
+
+    def get(self, word: int) -> int:
+        return int(self.h[word])
+
+    def set(self, word: int, value: int) -> None:
+        self.h[word] = value
+
+    def digest(self) -> str:
+        return bytes(self.h[G_DIGEST : G_DIGEST + 4].view(np.uint8)).hex()
+
+    def reader_alive(self, i: int) -> bool:
+        return process_alive(self.get(self.reader(i, R_PID)), self.get(self.reader(i, R_START)))
+
+
+class ShmRingSender:
+    """The writer of a ring: `send(state_dict, version)` once per version, to `num_readers` readers.
+
+    Readers attach with `ShmRingReceiver.attach(sender.name, reader_index)`. A reader that
+    dies makes `send` raise PeerLostError naming it, or, with ``drop_dead_readers=True``, the
+    sync goes on without it. `checksums=True` adds a CRC32 per bucket that readers verify.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        num_readers: int,
+        slots: int = 2,
+        checksums: bool = False,
+        drop_dead_readers: bool = False,
+        prefix: str = "rlfleet",
+    ) -> None:
+        if isinstance(num_readers, bool) or not isinstance(num_readers, int) or num_readers < 1:
+            raise ValueError(f"num_readers must be an int >= 1, got {num_readers!r}")
+        if num_readers > MAX_READERS:
+            raise ValueError(f"num_readers {num_readers} is over the {MAX_READERS} limit")
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 2 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be an int in [2, {MAX_SLOTS}], got {slots!r}")
+        self.layout = layout
+        self.num_readers = num_readers
+        self.num_slots = slots
+        self.checksums = checksums
+        self.drop_dead_readers = drop_dead_readers
+        layout_json = layout.to_json()
+        words = _header_words(slots, num_readers)
+        layout_offset = (words * 8 + 63) // 64 * 64
+        data_offset = page_align(layout_offset + len(layout_json))
+        self.slot_bytes = max(PAGE, page_align(layout.max_bucket_nbytes))
+        self._segment = SharedSegment.create(data_offset + slots * self.slot_bytes, prefix=prefix)
+        buf = self._segment.buffer
+        self._ring = _Ring(np.frombuffer(buf, dtype=np.int64, count=words), slots, num_readers)
+        ring = self._ring
+        pid, start = process_identity()
+        buf[layout_offset : layout_offset + len(layout_json)] = layout_json
+        ring.h[G_DIGEST : G_DIGEST + 4] = np.frombuffer(bytes.fromhex(layout.digest), dtype=np.int64)
+        for word, value in (
+            (G_FORMAT, FORMAT),
+            (G_WRITER_PID, pid),
+            (G_WRITER_START, start),
+            (G_NUM_READERS, num_readers),
+            (G_NUM_SLOTS, slots),
+            (G_SLOT_BYTES, self.slot_bytes),
+            (G_LAYOUT_LEN, len(layout_json)),
+            (G_LAYOUT_OFFSET, layout_offset),
+            (G_DATA_OFFSET, data_offset),
+            (G_CHECKSUMS, int(checksums)),
+        ):
+            ring.set(word, value)
+        memory_fence()
+        ring.set(G_MAGIC, MAGIC)
+        self._slots = [
+            self._segment.tensor(data_offset + j * self.slot_bytes, self.slot_bytes) for j in range(slots)
+        ]
+        self._published = 0  # global sequence number of the last bucket published
+        self._session = 0
+        self._previous: dict[int, tuple[int, int, int]] = {}  # last session's members: identity
+        self._ever_attached: set[int] = set()
+        self._liveness = _Liveness()
+
+    @property
+    def name(self) -> str:
+        """The segment name to hand to readers (not a secret that grants access: mode 0600 does)."""
+        return self._segment.name
+
+    @property
+    def session(self) -> int:
+        return self._session
+
+    # -- sending --------------------------------------------------------------------------
+    def _check_readers(self, members: set[int], what: str) -> None:
+        """PeerLostError for a dead member, or drop it when allowed."""
+        if not self._liveness.due():
+            return
+        for i in sorted(members):
+            if not self._ring.reader_alive(i):
+                pid = self._ring.get(self._ring.reader(i, R_PID))
+                if not self.drop_dead_readers:
+                    raise PeerLostError(f"ring {self.name}: reader {i} (pid {pid}) died or left while {what}")
+                _log.warning("ring %s: reader %d (pid %d) died; continuing without it", self.name, i, pid)
+                members.discard(i)
+
+    def _wait_attached(self, deadline: Deadline) -> set[int]:
+        """Every reader attached and alive; one that was here and is gone is lost (or dropped)."""
+        ring = self._ring
+        backoff = Backoff()
+        while True:
+            members: set[int] = set()
+            absent: list[int] = []
+            for i in range(self.num_readers):
+                attached = bool(ring.get(ring.reader(i, R_ATTACHED)))
+                if attached and ring.reader_alive(i):
+                    members.add(i)
+                    self._ever_attached.add(i)
+                elif attached or i in self._ever_attached:
+                    if not self.drop_dead_readers:
+                        pid = ring.get(ring.reader(i, R_PID))
+                        raise PeerLostError(f"ring {self.name}: reader {i} (pid {pid}) died or left")
+                else:
+                    absent.append(i)
+            if not absent:
+                break
+            if deadline.expired:
+                raise deadline.error(f"ring {self.name}: waiting for reader {absent[0]} to attach")
+            backoff.sleep(deadline.remaining())
+        if not members:
+            raise PeerLostError(f"ring {self.name}: every reader is dead or gone")
+        return members
+
+    def send(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        deadline: Deadline | float | None = None,
+        wait_for_readers: bool = True,
+    ) -> dict[int, str]:
+        """Send `state_dict` as `version` to every attached reader.
+
+        Returns each reader's outcome (``"committed"``, ``"failed"`` or ``"dropped"``) when
+        `wait_for_readers`; else returns once everything is published (the next `send` waits
+        for slots as needed). Any error aborts the session for every reader.
+        """
+        deadline = Deadline.coerce(deadline)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        if self._ring.get(G_CLOSED):
+            raise WeightSyncError(f"ring {self.name} is closed")
+        self.layout.check_state_dict(state_dict)
+        members = self._wait_attached(deadline)
+        ring = self._ring
+        session = self._session + 1
+        base = self._published
+        nbuckets = len(self.layout.buckets)
+        # Readers (or new processes at a reader index) that were not in the previous session never
+        # acked its slots: count them as caught up.
+        identity = {i: self._reader_identity(i) for i in members}
+        floor = {i: (0 if self._previous.get(i) == identity[i] else base) for i in members}
+        self._session = session
+        self._published = base + nbuckets
+        for i in members:
+            ring.set(ring.reader(i, R_MEMBER), session)
+        ring.set(G_S_VERSION, version)
+        ring.set(G_S_BASE, base)
+        ring.set(G_S_NBUCKETS, nbuckets)
+        memory_fence()
+        ring.set(G_SESSION, session)
+        try:
+            for k in range(nbuckets):
+                j = k % self.num_slots
+                previous = ring.get(ring.slot(j, S_SEQ))
+                self._wait_slot_free(j, previous, members, floor, session, deadline)
+                data = pack_bucket(self.layout, k, state_dict, self._slots[j])
+                ring.set(ring.slot(j, S_BUCKET), k)
+                ring.set(ring.slot(j, S_NBYTES), data.numel())
+                if self.checksums:
+                    ring.set(ring.slot(j, S_CRC), bucket_checksum(data))
+                memory_fence()
+                ring.set(ring.slot(j, S_SEQ), base + k + 1)
+            memory_fence()
+            ring.set(G_COMMIT, session)
+            outcomes = self._wait_done(members, session, deadline) if wait_for_readers else {}
+        except BaseException:
+            ring.set(G_ABORT, session)
+            raise
+        finally:
+            self._previous = {i: identity[i] for i in members}
+        return outcomes
+
+    def _reader_identity(self, i: int) -> tuple[int, int, int]:
+        ring = self._ring
+        pid, start, epoch = (ring.get(ring.reader(i, field)) for field in (R_PID, R_START, R_EPOCH))
+        return pid, start, epoch
+
+    def _wait_slot_free(
+        self,
+        j: int,
+        previous: int,
+        members: set[int],
+        floor: dict[int, int],
+        session: int,
+        deadline: Deadline,
+    ) -> None:
+        ring = self._ring
+
+        def lagging() -> int | None:
+            for i in members:
+                if max(ring.get(ring.reader(i, R_ACK)), floor[i]) < previous:
+                    return i
+            return None
+
+        backoff = Backoff()
+        while (slow := lagging()) is not None:
+            self._check_readers(members, f"slot {j} waited for its ack")
+            if deadline.expired:
+                raise deadline.error(
+                    f"ring {self.name}: waiting for reader {slow} to release slot {j} (session {session})"
+                )
+            backoff.sleep(deadline.remaining())
+
+    def _wait_done(self, members: set[int], session: int, deadline: Deadline) -> dict[int, str]:
+        ring = self._ring
+        outcomes = dict.fromkeys(range(self.num_readers), "dropped")
+        pending = set(members)
+        backoff = Backoff()
+        while pending:
+            for i in list(pending):
+                if ring.get(ring.reader(i, R_DONE)) == session:
+                    result = ring.get(ring.reader(i, R_RESULT))
+                    outcomes[i] = "committed" if result == RESULT_COMMITTED else "failed"
+                    pending.discard(i)
+            if not pending:
+                break
+            alive = set(pending)
+            self._check_readers(alive, "the version was committing")
+            pending &= alive
+            if deadline.expired:
+                raise deadline.error(f"ring {self.name}: waiting for reader {min(pending)} to commit")
+            backoff.sleep(deadline.remaining())
+        return outcomes
+
+    # -- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Tell readers the ring is gone, unmap and unlink it."""
+        if self._segment.closed:
+            return
+        self._ring.set(G_CLOSED, 1)
+        self._slots = []
+        self._ring.h = np.zeros(1, dtype=np.int64)
+        self._segment.close()
+        self._segment.unlink()
+
+    def __enter__(self) -> ShmRingSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShmRingReceiver:
+    """One reader of a ring: `receive(consumer)` once per version the writer sends."""
+
+    def __init__(self, segment: SharedSegment, ring: _Ring, reader_index: int, slots: list[torch.Tensor]):
+        self._segment = segment
+        self._ring = ring
+        self.reader_index = reader_index
+        self._slots = slots
+        self._last_session = ring.get(G_SESSION)
+        self._sender_layout: Layout | None = None
+        self._liveness = _Liveness()
+
+    @property
+    def name(self) -> str:
+        return self._segment.name
+
+    @classmethod
+    def attach(cls, name: str, reader_index: int) -> ShmRingReceiver:
+        """Join ring `name` as reader `reader_index` (one process per index)."""
+        segment = SharedSegment.attach(name, map_whole=False)
+        try:
+            probe = segment.map_region(0, PAGE)
+            first = np.frombuffer(probe, dtype=np.int64, count=SLOT_BASE).copy()
+            del probe
+            if first[G_MAGIC] != MAGIC or first[G_FORMAT] != FORMAT:
+                raise MetadataError(f"{name!r} is not an rlfleet ring of format {FORMAT}")
+            num_readers, num_slots = int(first[G_NUM_READERS]), int(first[G_NUM_SLOTS])
+            slot_bytes, data_offset = int(first[G_SLOT_BYTES]), int(first[G_DATA_OFFSET])
+            if (
+                not 1 <= num_readers <= MAX_READERS
+                or not 2 <= num_slots <= MAX_SLOTS
+                or data_offset % PAGE
+                or data_offset + num_slots * slot_bytes != segment.size
+            ):
+                raise MetadataError(f"ring {name!r} has an inconsistent header")
+            if isinstance(reader_index, bool) or not isinstance(reader_index, int):
+                raise ValueError(f"reader_index must be an int, got {reader_index!r}")
+            if not 0 <= reader_index < num_readers:
+                raise ValueError(f"reader_index {reader_index} out of range: ring {name!r} has {num_readers}")
+            control = segment.map_region(0, data_offset)
+            words = _header_words(num_slots, num_readers)
+            ring = _Ring(np.frombuffer(control, dtype=np.int64, count=words), num_slots, num_readers)
+            me, my_start = process_identity()
+            holder = ring.get(ring.reader(reader_index, R_PID))
+            if (
+                ring.get(ring.reader(reader_index, R_ATTACHED))
+                and holder != me
+                and ring.reader_alive(reader_index)
+            ):
+                raise WeightSyncError(
+                    f"ring {name!r}: reader index {reader_index} is held by live pid {holder}"
+                )
+            data = segment.map_region(data_offset, num_slots * slot_bytes, readonly=True)
+            slots = [segment.tensor(j * slot_bytes, slot_bytes, region=data) for j in range(num_slots)]
+            ring.set(ring.reader(reader_index, R_ATTACHED), 0)
+            ring.set(ring.reader(reader_index, R_PID), me)
+            ring.set(ring.reader(reader_index, R_START), my_start)
+            ring.set(ring.reader(reader_index, R_ACK), 0)
+            ring.set(ring.reader(reader_index, R_DONE), 0)
+            ring.set(ring.reader(reader_index, R_RESULT), 0)
+            ring.set(ring.reader(reader_index, R_EPOCH), ring.get(ring.reader(reader_index, R_EPOCH)) + 1)
+            memory_fence()
+            ring.set(ring.reader(reader_index, R_ATTACHED), 1)
+            return cls(segment, ring, reader_index, slots)
+        except BaseException:
+            segment.close()
+            raise
+
+    # -- receiving ------------------------------------------------------------------------
+    def _check_writer(self, what: str) -> None:
+        ring = self._ring
+        if ring.get(G_CLOSED):
+            raise PeerLostError(f"ring {self.name} was closed by its writer while {what}")
+        if self._liveness.due() and not process_alive(ring.get(G_WRITER_PID), ring.get(G_WRITER_START)):
+            raise PeerLostError(f"ring writer (pid {ring.get(G_WRITER_PID)}) died while {what}")
+
+    def _sender_layout_for(self) -> Layout:
+        if self._sender_layout is None:
+            ring = self._ring
+            start, length = ring.get(G_LAYOUT_OFFSET), ring.get(G_LAYOUT_LEN)
+            control = self._segment.map_region(0, ring.get(G_DATA_OFFSET))
+            raw = bytes(control[start : start + length])
+            self._sender_layout = Layout.from_json(raw)
+        return self._sender_layout
+
+    def _wait_session(self, deadline: Deadline) -> int:
+        ring, me = self._ring, self.reader_index
+        backoff = Backoff()
+        while True:
+            session = ring.get(G_SESSION)
+            if session > self._last_session:
+                memory_fence()
+                if ring.get(ring.reader(me, R_MEMBER)) == session:
+                    return session
+                self._last_session = session  # started before we attached: wait for the next one
+            self._check_writer("waiting for a version")
+            if deadline.expired:
+                raise deadline.error(f"ring {self.name}: reader {me} waiting for the next version")
+            backoff.sleep(deadline.remaining())
+
+    def receive(self, consumer: BucketConsumer, deadline: Deadline | float | None = None) -> int:
+        """Receive the next version into `consumer`; returns the version committed.
+
+        On any error the consumer is aborted (its applied version stays), the writer is told,
+        and the error is raised.
+        """
+        deadline = Deadline.coerce(deadline)
+        ring, me = self._ring, self.reader_index
+        session = self._wait_session(deadline)
+        self._last_session = session
+        version, base, nbuckets = ring.get(G_S_VERSION), ring.get(G_S_BASE), ring.get(G_S_NBUCKETS)
+        try:
+            if ring.digest() != consumer.layout.digest:
+                sender = self._sender_layout_for()
+                problem = consumer.layout.diff(sender) or "digests differ"
+                name = problem.split("'")[1] if "'" in problem else None
+                raise LayoutMismatchError(f"ring {self.name}: receiver layout vs sender: {problem}", name)
+            if nbuckets != len(consumer.layout.buckets):
+                raise MetadataError(
+                    f"ring {self.name}: session has {nbuckets} buckets, layout {len(consumer.layout.buckets)}"
+                )
+            checksums = bool(ring.get(G_CHECKSUMS))
+            consumer.begin(version)
+            for k in range(nbuckets):
+                j = k % ring.num_slots
+                seq = base + k + 1
+                self._wait_word(
+                    ring.slot(j, S_SEQ), seq, session, deadline, f"bucket {k} of version {version}"
+                )
+                memory_fence()
+                nbytes = ring.get(ring.slot(j, S_NBYTES))
+                if ring.get(ring.slot(j, S_BUCKET)) != k or nbytes != consumer.layout.buckets[k].nbytes:
+                    raise MetadataError(f"ring {self.name}: slot {j} does not hold bucket {k} as announced")
+                data = self._slots[j][:nbytes]
+                if checksums:
+                    expected = ring.get(ring.slot(j, S_CRC))
+                    actual = bucket_checksum(data)
+                    if actual != expected:
+                        raise ChecksumMismatchError(
+                            f"ring {self.name}: bucket {k} of version {version} has crc32 {actual:#010x}, "
+                            f"sender wrote {expected:#010x}",
+                            bucket=k,
+                        )
+                consumer.consume(k, data)
+                memory_fence()
+                ring.set(ring.reader(me, R_ACK), seq)
+            self._wait_word(G_COMMIT, session, session, deadline, f"the commit of version {version}")
+            consumer.commit(version)
+        except BaseException as exc:
+            try:
+                consumer.abort(exc)
+            finally:
+                ring.set(ring.reader(me, R_ACK), base + nbuckets)  # release every slot of this session
+                ring.set(ring.reader(me, R_RESULT), RESULT_FAILED)
+                memory_fence()
+                ring.set(ring.reader(me, R_DONE), session)
+            raise
+        ring.set(ring.reader(me, R_RESULT), RESULT_COMMITTED)
+        memory_fence()
+        ring.set(ring.reader(me, R_DONE), session)
+        return version
+
+    def _wait_word(self, word: int, value: int, session: int, deadline: Deadline, what: str) -> None:
+        ring = self._ring
+        backoff = Backoff()
+        while ring.get(word) != value:
+            if ring.get(G_ABORT) == session:
+                raise SyncAbortedError(f"ring {self.name}: the writer aborted while we waited for {what}")
+            self._check_writer(f"waiting for {what}")
+            if deadline.expired:
+                raise deadline.error(f"ring {self.name}: reader {self.reader_index} waiting for {what}")
+            backoff.sleep(deadline.remaining())
+
+    # -- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Leave the ring (the writer stops waiting for this reader at its next session)."""
+        if self._segment.closed:
+            return
+        ring = self._ring
+        ring.set(ring.reader(self.reader_index, R_ATTACHED), 0)
+        ring.set(ring.reader(self.reader_index, R_PID), 0)
+        self._slots = []
+        ring.h = np.zeros(1, dtype=np.int64)
+        self._segment.close()
+
+    def __enter__(self) -> ShmRingReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
