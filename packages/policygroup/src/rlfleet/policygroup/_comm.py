@@ -44,6 +44,15 @@ def wait_all(
     return out
 
 
+def local_host() -> str | None:
+    """127.0.0.1 when every alive Ray node runs on this one machine (tests, laptops), else None."""
+    try:
+        addresses = {n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")}
+    except Exception:
+        return None
+    return "127.0.0.1" if len(addresses) <= 1 else None
+
+
 def init_world(
     plan: CommGroupPlan,
     actors: dict[Hashable, Any],
@@ -58,7 +67,7 @@ def init_world(
     margin = timeout_s + 15.0
     master = actors[plan.ranks[0].actor_id]
     try:
-        addr, port = ray.get(master._get_addr_and_port.remote(), timeout=margin)
+        addr, port = ray.get(master._get_addr_and_port.remote(local_host()), timeout=margin)
     except ray.exceptions.RayActorError as exc:
         raise WorkerDiedError(f"rendezvous host {_describe(plan, 0, names)} died: {exc}") from None
     except ray.exceptions.GetTimeoutError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
@@ -342,6 +343,13 @@ class PolicyGroup:
                     out[i] = value
         return BatchedData(ids, out)
 
+    def wait_idle(self, timeout: float = 60.0) -> int:
+        """Wait until no routed request is in flight (completion callbacks ran); returns what is left."""
+        end = time.monotonic() + timeout
+        while self.router.in_flight and time.monotonic() < end:
+            time.sleep(0.005)
+        return self.router.in_flight
+
     def postprocess(
         self,
         batched_env_ret: BatchedData[Any] | None = None,
@@ -520,6 +528,10 @@ class PolicyGroup:
                                         strict=True):
                 if err is not None:
                     self._raise_for(p, err, "init_weight_buffer")
+            # a group built over workers that served an earlier group continues their numbering
+            versions = self._call_all(self.train_list + self.eval_list, "get_weight_version")
+            self._version = max([self._version, *versions])
+            self._staged_version = None
             for p in self.eval_list:
                 self._router_add(p)
                 self.router.set_version(self._wid(p), self._version)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rlfleet.weightsync import (
     Layout,
+    PeerLostError,
     SyncTimeoutError,
     bucket_starts,
     flat_views,
@@ -98,17 +99,23 @@ def copy_module_into(module: torch.nn.Module, layout: Layout, flat: torch.Tensor
 def broadcast_flat(
     flat: torch.Tensor,
     layout: Layout,
-    src: int,
+    root: int,
     group: Any,
     timeout_s: float,
     what: str,
 ) -> None:
-    """Broadcast every bucket of `flat` from global rank `src` in `group`, two buckets in flight."""
+    """Broadcast every bucket of `flat` from group rank `root` of process group `group`.
+
+    Two buckets in flight; each wait carries what is left of the deadline.
+    """
     end = time.monotonic() + timeout_s
     works: list[Any] = []
     for bucket, start in zip(layout.buckets, bucket_starts(layout), strict=True):
         view = flat[start : start + bucket.nbytes]
-        works.append(dist.broadcast(view, src=src, group=group, async_op=True))
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        works.append(group.broadcast([view], opts))
         if len(works) >= 2:
             _wait(works.pop(0), end, what)
     for work in works:
@@ -119,6 +126,18 @@ def _wait(work: Any, end: float, what: str) -> None:
     remaining = end - time.monotonic()
     if remaining <= 0:
         raise SyncTimeoutError(f"{what}: deadline passed before the broadcast finished")
-    ok = work.wait(timeout=datetime.timedelta(seconds=remaining))
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=remaining))
+    except RuntimeError as exc:
+        raise PeerLostError(f"{what}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from exc
     if ok is False:
         raise SyncTimeoutError(f"{what}: broadcast did not finish within its deadline")
+
+
+def make_process_group(store: Any, prefix: str, group_rank: int, size: int, timeout_s: float, backend: str) -> Any:
+    """A standalone process group among the members only (any creation order, any overlap)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    scoped = dist.PrefixStore(prefix, store)
+    if backend == "nccl":  # pragma: no cover - needs GPUs
+        return dist.ProcessGroupNCCL(scoped, group_rank, size)
+    return dist.ProcessGroupGloo(scoped, group_rank, size, timeout)

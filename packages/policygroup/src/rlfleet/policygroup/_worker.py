@@ -28,6 +28,7 @@ from rlfleet.policygroup._errors import CommGroupError
 from rlfleet.policygroup._transport import (
     bind_module,
     broadcast_flat,
+    make_process_group,
     map_segment,
     pack_into,
     state_of,
@@ -179,6 +180,7 @@ class BasePolicy:
         self._groups: dict[str, Any] = {}
         self._groups_by_mode: dict[str, Any] = {}
         self._group_ranks: dict[str, tuple[int, ...]] = {}
+        self._mode_ranks: dict[str, tuple[int, ...]] = {}
         # weights
         self._version = 0
         self._layout: Layout | None = None
@@ -189,6 +191,7 @@ class BasePolicy:
         self._segments: dict[str, torch.Tensor] = {}
         self._created_segments: set[str] = set()
         self._send_flat: torch.Tensor | None = None
+        self._send_lock = threading.Lock()  # concurrent sends of one version pack once
         self._packed_version: int | None = None
         self._update_done = threading.Event()
         self._update_done.set()
@@ -365,13 +368,21 @@ class BasePolicy:
     def allreduce_gradients(self) -> None:
         """Average gradients over the train data-parallel group (call between backward and step)."""
         group = self._ddp_group()
-        if group is None or not dist.is_initialized():
+        if group is None:
             return
-        size = dist.get_world_size(group)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(size)
+        size = len(self._mode_ranks[ParallelMode.TRAIN_DATA_PARALLEL.value])
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads or size <= 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = group.allreduce([flat])
+        if not work.wait(timeout=datetime.timedelta(seconds=self.config.group_timeout_s)):
+            raise SyncTimeoutError("gradient all-reduce timed out")
+        flat.div_(size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     # ================================================================== weights: inspection
     def get_param_fingerprint(self) -> dict[str, float]:
@@ -485,34 +496,31 @@ class BasePolicy:
             self._packed_version = None
         return self._layout
 
-    def _packed(self, version: int, bucket_bytes: int) -> torch.Tensor:
-        layout = self._sender_layout(bucket_bytes)
-        if self._send_flat is None:
-            self._send_flat = torch.empty(layout.padded_bytes, dtype=torch.uint8)
-        if self._packed_version != version:
-            pack_into(layout, state_of(self.model), self._send_flat)
-            self._packed_version = version
-        return self._send_flat
+    def _packed(self, version: int, bucket_bytes: int) -> tuple[Layout, torch.Tensor]:
+        with self._send_lock:
+            layout = self._sender_layout(bucket_bytes)
+            if self._send_flat is None:
+                self._send_flat = torch.empty(layout.padded_bytes, dtype=torch.uint8)
+            if self._packed_version != version:
+                pack_into(layout, state_of(self.model), self._send_flat)
+                self._packed_version = version
+            return layout, self._send_flat
 
     # ================================================================== weights: sender
     def write_segment(self, name: str, version: int, bucket_bytes: int) -> str:
         """Write this trainer's weights once into slot `version % 2` of the node segment `name`."""
-        layout = self._sender_layout(bucket_bytes)
+        layout, flat = self._packed(version, bucket_bytes)
         seg = self._segment(name, layout, create=True)
-        target = self._slot_of(seg, layout, version % 2)
-        if self._packed_version == version and self._send_flat is not None:
-            target.copy_(self._send_flat)
-        else:
-            pack_into(layout, state_of(self.model), target)
+        self._slot_of(seg, layout, version % 2).copy_(flat)
         return layout.digest
 
     def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float) -> int:
         """Broadcast this trainer's weights in weight-transfer group `group_id` (we are the root)."""
         group = self._group(group_id)
-        flat = self._packed(version, bucket_bytes)
-        assert self._layout is not None
-        broadcast_flat(flat, self._layout, self._rank, group, timeout_s, f"send of v{version} in {group_id}")
-        return self._layout.padded_bytes
+        layout, flat = self._packed(version, bucket_bytes)
+        root = self._group_ranks[group_id].index(self._rank)
+        broadcast_flat(flat, layout, root, group, timeout_s, f"send of v{version} in {group_id}")
+        return layout.padded_bytes
 
     def send_weights_ipc(self) -> dict[str, torch.Tensor]:
         """Colocated seed path: a CPU copy of the state dict (travels through the object store)."""
@@ -562,16 +570,17 @@ class BasePolicy:
         self._update_done.clear()
         target, staged = self._receive_target(version, shared_name)
         group = self._group(group_id)
+        root = self._group_ranks[group_id].index(src_rank)
         if staged[0] == "applied":  # "None": written in place; the group drained us first
             self._serve.acquire_write(timeout_s)
             try:
-                broadcast_flat(target, layout, src_rank, group, timeout_s, f"receive of v{version} in {group_id}")
+                broadcast_flat(target, layout, root, group, timeout_s, f"receive of v{version} in {group_id}")
                 self._version = version
                 self._update_done.set()
             finally:
                 self._serve.release_write()
             return version
-        broadcast_flat(target, layout, src_rank, group, timeout_s, f"receive of v{version} in {group_id}")
+        broadcast_flat(target, layout, root, group, timeout_s, f"receive of v{version} in {group_id}")
         self._staged = staged
         return version
 
@@ -659,9 +668,12 @@ class BasePolicy:
             pass
         return [0]
 
-    def _get_addr_and_port(self) -> tuple[str, int]:
-        """Host a fresh rendezvous store here (the would-be rank 0) and return its address."""
-        ip = _node_ip()
+    def _get_addr_and_port(self, host: str | None = None) -> tuple[str, int]:
+        """Host a fresh rendezvous store here (the would-be rank 0) and return its address.
+
+        `host` overrides the node's address (127.0.0.1 when every node is on this machine).
+        """
+        ip = host or _node_ip()
         self._close_store()
         timeout = datetime.timedelta(seconds=self.config.group_timeout_s)
         self._store = dist.TCPStore(ip, 0, None, True, timeout=timeout, wait_for_workers=False)
@@ -676,6 +688,7 @@ class BasePolicy:
         self._groups.clear()
         self._groups_by_mode.clear()
         self._group_ranks.clear()
+        self._mode_ranks.clear()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -733,8 +746,6 @@ class BasePolicy:
         self._world_size = world_size
         self._local_rank = local_rank
         self._local_world_size = local_world_size
-        self._groups["world"] = dist.group.WORLD
-        self._groups_by_mode[ParallelMode.GLOBAL.value] = dist.group.WORLD
         return rank
 
     def init_single_comm_group(
@@ -755,16 +766,14 @@ class BasePolicy:
         if not dist.is_initialized():
             raise CommGroupError(f"group {group_id!r}: init_distributed_env() must come first")
         self._join(self._store, f"{self._prefix}/group/{group_id}", self._rank, ranks, timeout_s, f"group {group_id!r}")
-        group = dist.new_group(
-            ranks,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            backend=backend,
-            use_local_synchronization=True,
+        group = make_process_group(
+            self._store, f"{self._prefix}/pg/{group_id}", ranks.index(self._rank), len(ranks), timeout_s, backend
         )
         self._groups[group_id] = group
         self._group_ranks[group_id] = tuple(ranks)
         if mode != ParallelMode.WEIGHT_TRANSFER.value or mode not in self._groups_by_mode:
             self._groups_by_mode[mode] = group
+            self._mode_ranks[mode] = tuple(ranks)
         return True
 
     def init_comm_groups(self, specs: Sequence[Mapping[str, Any]], backend: str, timeout_s: float) -> int:
@@ -793,14 +802,18 @@ class BasePolicy:
         return {k: list(v) for k, v in self._group_ranks.items()}
 
     def dist_barrier(self, mode: str | ParallelMode | None = None, timeout_s: float | None = None) -> None:
+        """Barrier over the world (mode None) or over this rank's group of `mode` (if it has one)."""
         if not dist.is_initialized():
             return
-        key = mode.value if isinstance(mode, ParallelMode) else mode
-        group = self._groups_by_mode.get(key) if key is not None else None
-        if key is not None and group is None:
-            return
         timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
-        work = dist.barrier(group=group, async_op=True)
+        key = mode.value if isinstance(mode, ParallelMode) else mode
+        if key is None:
+            work = dist.barrier(async_op=True)
+        else:
+            group = self._groups_by_mode.get(key)
+            if group is None:
+                return
+            work = group.barrier()
         if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
             raise SyncTimeoutError(f"barrier on {key or 'world'} timed out after {timeout_s:.1f}s")
 
