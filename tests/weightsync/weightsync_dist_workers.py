@@ -336,3 +336,39 @@ def scenario_rendezvous(rank: int, world: int, port: int, port2: int, port3: int
         BroadcastReceiver(layout, group, 1).receive(consumer, DEADLINE)
         out["subgroup_checksum"] = checksum(consumer.weights)
     return out
+
+
+def scenario_sharded(rank: int, world: int, port: int) -> dict[str, Any]:
+    """Rank 0 broadcasts; ranks 1.. each keep 1/N and all-gather the whole model."""
+    from rlfleet.weightsync import BroadcastReceiver, BroadcastSender, ShardedBuffer, pack_bucket
+
+    init(rank, world, port)
+    members = list(range(1, world))
+    group = dist.new_group(members)
+    base = make_state(0)
+    layout = layout_of(base, bucket=8 * 1024)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        sender = BroadcastSender(layout, None, 0, checksums=True, direct_min=DIRECT_MIN)
+        for version in (1, 2):
+            sender.send(make_state(version), version, DEADLINE)
+        return out
+    buffer = ShardedBuffer(layout, rank - 1, len(members))
+    receiver = BroadcastReceiver(layout, None, 0)
+    out["owned"] = list(buffer.owned)
+    out["shard_bytes"] = buffer.shard_bytes
+    for version in (1, 2):
+        receiver.receive(buffer, DEADLINE)
+        views = buffer.gather(group, DEADLINE)
+        out[f"v{version}"] = checksum(views)
+        out[f"v{version}_names"] = list(views) == list(layout.names)
+    # member 2 moves on alone (a local sync of version 9): a gather must refuse mixed versions
+    if rank == world - 1:
+        state = make_state(9)
+        buffer.begin(9)
+        scratch = torch.empty(layout.max_bucket_nbytes, dtype=torch.uint8)
+        for bucket in layout.buckets:
+            buffer.consume(bucket.index, pack_bucket(layout, bucket.index, state, scratch))
+        buffer.commit(9)
+    out["mixed"] = outcome(lambda: buffer.gather(group, DEADLINE))
+    return out
