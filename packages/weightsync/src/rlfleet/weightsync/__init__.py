@@ -53,6 +53,7 @@ from rlfleet.weightsync._rendezvous import (
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
 from rlfleet.weightsync._shm import SharedSegment, cleanup_stale_segments, process_alive
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
+from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._wire import BucketTarget, Control, Header, SyncStats, bucket_segments
 
 __all__ = [
@@ -62,6 +63,8 @@ __all__ = [
     "Control",
     "Header",
     "RendezvousTimeoutError",
+    "ShardedBuffer",
+    "balanced_ranges",
     "SyncStats",
     "TorchWire",
     "bucket_segments",
