@@ -4,6 +4,7 @@ plans are deterministic, and the seed's plan is costed the same way."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -321,6 +322,31 @@ def test_draw_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match=r"rlfleet-placement\[draw\]"):
         plan.draw(tmp_path / "x.png")
+
+
+def test_plans_do_not_depend_on_hash_seeds() -> None:
+    code = (
+        "import json, sys\n"
+        "from rlfleet.placement import Topology, place_disaggregated, plan_transfer, seed_plan\n"
+        "t = Topology.synthetic(6, 4, nic_per='node')\n"
+        "p = place_disaggregated(t, 5, 15, mode='spread')\n"
+        "q = place_disaggregated(t, 6, 14)\n"
+        "out = [plan_transfer(t, x, 10**9 + 7).to_dict() for x in (p, q)]\n"
+        "out.append(seed_plan(t, q, 10**9 + 7, buffer='Shared').to_dict())\n"
+        "sys.stdout.write(json.dumps(out))\n"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(outputs) == 1
 
 
 def test_import_pulls_no_heavy_dependency() -> None:

@@ -124,7 +124,7 @@ def lower_bound_seconds(
     nodes through their NICs.
     """
     src_set = set(sources)
-    src_nodes = {topology.node_of(s) for s in sources}
+    src_nodes = list(dict.fromkeys(topology.node_of(s) for s in sources))  # ordered: float sums repeat
     bound = 0.0
     remote = False
     seen_nodes: set[str | None] = set()

@@ -296,7 +296,8 @@ def plan_transfer(
     description = f"{len(mixed)} local fan-out{'s' if len(mixed) != 1 else ''}" if mixed else ""
 
     if pure:
-        free = [s for s in view.sources if s.split("/", 1)[0] not in set(mixed)]
+        mixed_set = set(mixed)
+        free = [s for s in view.sources if s.split("/", 1)[0] not in mixed_set]
         feeders = free or list(view.sources)
         n_trees, fanout, tree_desc = _choose_trees(
             view, pure, feeders, model_bytes, bucket_bytes, relay, max_fanout
