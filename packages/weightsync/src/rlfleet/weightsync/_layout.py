@@ -183,6 +183,8 @@ class Layout:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise MetadataError(f"layout metadata is not valid JSON: {exc}") from None
+        except RecursionError:  # "[[[[..." nested deeper than the decoder's stack
+            raise MetadataError("layout metadata is nested too deeply") from None
         return cls.from_dict(data)
 
     # -- queries ----------------------------------------------------------------------
