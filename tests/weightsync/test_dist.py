@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import glob
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,13 +18,6 @@ from rlfleet.weightsync import (
     checksum,
 )
 from rlfleet.weightsync._wire import CONTROL_BYTES, HEADER_BYTES
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_segments() -> Iterator[None]:
-    before = set(glob.glob("/dev/shm/rlfleet*"))
-    yield
-    assert set(glob.glob("/dev/shm/rlfleet*")) - before == set()
 
 
 # -- protocol pieces (no processes) ------------------------------------------------------------

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import glob
-from collections.abc import Iterator
-
 import pytest
 import torch
 import weightsync_dist_workers as w
@@ -21,13 +18,6 @@ from rlfleet.weightsync import (
     checksum,
     pack_bucket,
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_segments() -> Iterator[None]:
-    before = set(glob.glob("/dev/shm/rlfleet*"))
-    yield
-    assert set(glob.glob("/dev/shm/rlfleet*")) - before == set()
 
 
 @given(st.lists(st.integers(0, 10_000), max_size=60), st.integers(1, 9))

@@ -372,3 +372,101 @@ def scenario_sharded(rank: int, world: int, port: int) -> dict[str, Any]:
         buffer.commit(9)
     out["mixed"] = outcome(lambda: buffer.gather(group, DEADLINE))
     return out
+
+
+# -- CUDA IPC control plane (host backend: same state machine, no GPU) ------------------------
+def _publish_name(path: str, name: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(name)
+    os.replace(tmp, path)
+
+
+def _read_name(path: str, timeout: float = 60.0) -> str:
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"no channel name at {path}")
+        time.sleep(0.01)
+    with open(path) as fh:
+        return fh.read()
+
+
+def scenario_ipc(rank: int, world: int, port: int, path: str, backend: str) -> dict[str, Any]:
+    from rlfleet.weightsync import CudaIpcReceiver, CudaIpcSender
+
+    device = "cuda" if backend == "cuda" else "cpu"
+    base = {k: v.to(device) for k, v in make_state(0).items()}
+    layout = layout_of(base)
+    steps: dict[str, Any] = {}
+    if rank == 0:
+        with CudaIpcSender(layout, world - 1, backend=backend) as sender:  # type: ignore[arg-type]
+            _publish_name(path, sender.name)
+
+            def send(sd: Mapping[str, torch.Tensor], version: int) -> Any:
+                moved = {k: v.to(device) for k, v in sd.items()} if not isinstance(sd, FlakyMapping) else sd
+                return outcome(lambda: sender.send(moved, version, DEADLINE))
+
+            steps["v1"] = send(make_state(1), 1)
+            sender.checksums = True
+            steps["v2"] = send(make_state(2), 2)
+            steps["stale"] = send(make_state(2), 2)
+            steps["layout"] = send(make_state(3), 3)
+            steps["consumer"] = send(make_state(3), 3)
+            steps["v3"] = send(make_state(3), 3)
+        return steps
+    with CudaIpcReceiver.attach(_read_name(path), rank - 1) as receiver:
+        consumer = StagingConsumer(layout, make_state(0), target=False)
+
+        def recv(c: StagingConsumer) -> dict[str, Any]:
+            result = outcome(lambda: receiver.receive(c, DEADLINE))
+            result["applied"] = consumer.version
+            result["checksum"] = checksum(consumer.weights)
+            return result
+
+        for step in ("v1", "v2", "stale"):
+            steps[step] = recv(consumer)
+        if rank == 2:
+            other = dict(make_state(0))
+            other["layers.7.w"] = torch.zeros(3, 3)
+            steps["layout"] = recv(StagingConsumer(layout_of(other), other))
+        else:
+            steps["layout"] = recv(consumer)
+        consumer.fail_on = 1 if rank == 2 else None
+        steps["consumer"] = recv(consumer)
+        consumer.fail_on = None
+        steps["v3"] = recv(consumer)
+    return steps
+
+
+def scenario_ipc_kill(rank: int, world: int, port: int, path: str, victim: int) -> dict[str, Any]:
+    """The sender (victim 0) or reader 1 (victim 1) SIGKILLs itself during version 2."""
+    from rlfleet.weightsync import CudaIpcReceiver, CudaIpcSender
+
+    base = make_state(0)
+    layout = layout_of(base)
+    if rank == 0:
+        with CudaIpcSender(layout, world - 1, backend="host") as sender:
+            _publish_name(path, sender.name)
+            sender.send(make_state(1), 1, DEADLINE)
+            sd: Mapping[str, torch.Tensor] = make_state(2)
+            if victim == 0:
+                sd = FlakyMapping(sd, "layers.90.w", 1, "kill")
+            result = outcome(lambda: sender.send(sd, 2, 20.0))
+        return result
+    with CudaIpcReceiver.attach(_read_name(path), rank - 1) as receiver:
+        consumer = StagingConsumer(layout, base)
+        receiver.receive(consumer, DEADLINE)
+        if victim == 1 and rank == 1:
+            consumer.fail_on = -1
+
+            def die(index: int, data: torch.Tensor) -> None:
+                if index == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                StagingConsumer.consume(consumer, index, data)
+
+            consumer.consume = die  # type: ignore[method-assign]
+        result = outcome(lambda: receiver.receive(consumer, 20.0))
+        result["applied"] = consumer.version
+        result["checksum"] = checksum(consumer.weights)
+    return result

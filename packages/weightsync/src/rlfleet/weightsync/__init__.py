@@ -2,6 +2,7 @@
 
 from rlfleet.weightsync.__about__ import __version__
 from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, ServingLock, live_tensors
+from rlfleet.weightsync._cuda_ipc import ControlBlock, CudaIpcReceiver, CudaIpcSender
 from rlfleet.weightsync._deadline import (
     Backoff,
     Deadline,
@@ -25,6 +26,7 @@ from rlfleet.weightsync._errors import (
 )
 from rlfleet.weightsync._integrity import bucket_checksum, checksum, compare_fingerprints, fingerprint
 from rlfleet.weightsync._layout import ALIGNMENT, DEFAULT_BUCKET_BYTES, BucketSpec, Layout, TensorSpec
+from rlfleet.weightsync._nccl import NcclReceiver, NcclSender, NcclWire
 from rlfleet.weightsync._offload import (
     OffloadStats,
     is_offloaded,
@@ -50,10 +52,10 @@ from rlfleet.weightsync._rendezvous import (
     init_process_group_bounded,
     new_group_bounded,
 )
+from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
 from rlfleet.weightsync._shm import SharedSegment, cleanup_stale_segments, process_alive
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
-from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._wire import BucketTarget, Control, Header, SyncStats, bucket_segments
 
 __all__ = [
@@ -63,6 +65,12 @@ __all__ = [
     "Control",
     "Header",
     "RendezvousTimeoutError",
+    "ControlBlock",
+    "CudaIpcReceiver",
+    "CudaIpcSender",
+    "NcclReceiver",
+    "NcclSender",
+    "NcclWire",
     "ShardedBuffer",
     "balanced_ranges",
     "SyncStats",

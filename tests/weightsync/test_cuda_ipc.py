@@ -1,0 +1,138 @@
+"""CUDA IPC channel: the control plane across real processes (host slots), and on a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import weightsync_dist_workers as w
+
+from rlfleet.weightsync import ControlBlock, CudaIpcReceiver, CudaIpcSender, MetadataError, checksum
+from rlfleet.weightsync._cuda_ipc import _decode_meta
+from rlfleet.weightsync._shm import cleanup_stale_segments
+
+
+@pytest.fixture(autouse=True)
+def _reap_killed_creators() -> Iterator[None]:
+    yield
+    for prefix in ("rlfleet", "rlfleet-ipc", "rlfleet-ipcslots"):  # processes the tests SIGKILLed
+        cleanup_stale_segments(prefix)
+
+
+def _expected(version: int) -> str:
+    return checksum(w.make_state(version))
+
+
+def test_importing_the_package_does_not_import_cupy() -> None:
+    code = "import sys, rlfleet.weightsync as ws; ws.CudaIpcSender; ws.NcclWire; print('cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(
+    _has_cupy := __import__("importlib").util.find_spec("cupy") is not None, reason="cupy present"
+)
+def test_cuda_backend_without_cupy_names_the_extras() -> None:
+    layout = w.layout_of(w.make_state(0))
+    with pytest.raises(ImportError, match=r"rlfleet-weightsync\[cuda12\]"):
+        CudaIpcSender(layout, 1, backend="cuda")
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        b"not json",
+        b"[]",
+        b'{"backend":"tcp","handles":[],"slot_bytes":1}',
+        b'{"backend":"cuda","handles":["a"],"slot_bytes":1}',
+        b'{"backend":"host","handles":["x"],"slot_bytes":-1}',
+        b'{"backend":"host","handles":["x"],"slot_bytes":512,"layout":{"format":99}}',
+    ],
+)
+def test_malformed_channel_metadata_is_rejected(meta: bytes) -> None:
+    with pytest.raises(MetadataError):
+        _decode_meta(meta)
+
+
+def test_attach_to_something_else_fails_clearly() -> None:
+    from rlfleet.weightsync._shm import SharedSegment
+
+    with SharedSegment.create(4096) as seg, pytest.raises(MetadataError, match="not an rlfleet IPC channel"):
+        CudaIpcReceiver.attach(seg.name, 0)
+
+
+def test_control_block_word_map_is_disjoint() -> None:
+    cb = ControlBlock(np.zeros(64, dtype=np.int64), 3)
+    words = {cb.slot(j, f) for j in range(2) for f in range(4)} | {
+        cb.reader(i, f) for i in range(3) for f in range(8)
+    }
+    assert len(words) == 2 * 4 + 3 * 8
+    assert min(words) >= 16
+
+
+@pytest.fixture(scope="module")
+def ipc_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    path = str(tmp_path_factory.mktemp("ipc") / "name")
+    results = w.run_ranks(w.scenario_ipc, 3, path, "host", timeout=120.0)
+    return results
+
+
+@pytest.mark.timeout(150)
+def test_ipc_bit_exact_and_two_phase_aborts(ipc_run: dict[int, Any]) -> None:
+    sender = ipc_run[0]
+    for step in ("v1", "v2", "v3"):
+        assert sender[step]["ok"], sender[step]
+    for step in ("stale", "layout", "consumer"):
+        assert sender[step]["type"] == "SyncAbortedError", sender[step]
+    for rank in (1, 2):
+        got = ipc_run[rank]
+        assert got["v1"]["checksum"] == _expected(1)
+        assert got["v2"]["checksum"] == _expected(2)
+        assert got["stale"]["type"] == "VersionError"
+        for step in ("stale", "layout", "consumer"):
+            assert got[step]["applied"] == 2
+            assert got[step]["checksum"] == _expected(2)
+        assert got["v3"]["ok"], got["v3"]
+        assert got["v3"]["checksum"] == _expected(3)
+    assert ipc_run[2]["layout"]["type"] == "LayoutMismatchError"
+    assert ipc_run[2]["layout"]["parameter"] == "layers.7.w"
+    assert ipc_run[1]["layout"]["type"] == "SyncAbortedError"  # its version did not land either
+    assert "injected consumer failure" in ipc_run[2]["consumer"]["message"]
+    assert ipc_run[1]["consumer"]["type"] == "SyncAbortedError"
+
+
+@pytest.mark.timeout(120)
+def test_ipc_sender_killed(tmp_path: Path) -> None:
+    results = w.run_ranks(w.scenario_ipc_kill, 3, str(tmp_path / "name"), 0, timeout=90.0, expect_dead=(0,))
+    for rank in (1, 2):
+        got = results[rank]
+        assert got["type"] == "PeerLostError", got
+        assert got["applied"] == 1
+        assert got["checksum"] == _expected(1)
+
+
+@pytest.mark.timeout(120)
+def test_ipc_reader_killed(tmp_path: Path) -> None:
+    results = w.run_ranks(w.scenario_ipc_kill, 3, str(tmp_path / "name"), 1, timeout=90.0, expect_dead=(1,))
+    assert results[0]["type"] == "PeerLostError", results[0]
+    assert "reader 0" in results[0]["message"]
+    got = results[2]
+    assert got["type"] == "SyncAbortedError", got
+    assert got["applied"] == 1
+    assert got["checksum"] == _expected(1)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ipc_over_real_cuda_handles(tmp_path: Path) -> None:
+    pytest.importorskip("cupy")
+    results = w.run_ranks(w.scenario_ipc, 3, str(tmp_path / "name"), "cuda", timeout=180.0)
+    for rank in (1, 2):
+        assert results[rank]["v3"]["checksum"] == _expected(3)
