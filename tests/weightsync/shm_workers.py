@@ -230,6 +230,8 @@ def create_segment_and_die(queue: Any) -> None:
     """Create a segment and exit without any cleanup (as a SIGKILL or an OOM kill would)."""
     segment = SharedSegment.create(4096)
     queue.put(segment.name)
+    queue.close()
+    queue.join_thread()  # flush the queue's feeder thread before dying
     os.kill(os.getpid(), signal.SIGKILL)
 
 
