@@ -85,7 +85,8 @@ def check_synced(group: PolicyGroup) -> None:
     ref = ray.get(group.train_list[0].get_weight_checksum.remote(), timeout=60)
     sums = ray.get([p.get_weight_checksum.remote() for p in group.eval_list], timeout=60)
     assert sums == [ref] * len(sums)
-    assert ray.get(group.train_list[1].get_weight_checksum.remote(), timeout=60) == ref  # DDP kept trainers equal
+    for trainer in group.train_list[1:]:  # DDP keeps trainers equal
+        assert ray.get(trainer.get_weight_checksum.remote(), timeout=60) == ref
     assert group.verify_eval_weight_checksums()
     assert group.verify_eval_weight_consistency()
     assert group.eval_weight_versions() == [group.weight_version] * len(group.eval_list)

@@ -225,11 +225,23 @@ class PolicyGroup:
         timeout = self.config.rpc_timeout_s if timeout is None else timeout
         calls = [(p, self._invoke(p, method, *args, **kwargs)) for p in policies]
         out = []
-        for (policy, _), (value, error) in zip(calls, self._gather(calls, timeout, method), strict=True):
-            if error is not None:
-                self._raise_for(policy, error, method)
-            out.append(value)
-        return out
+        results = self._gather(calls, timeout, method)
+        self._raise_failures([p for p, _ in calls], results, method)
+        return [value for value, _ in results]
+
+    def _raise_failures(
+        self, policies: Sequence[Policy], results: Sequence[tuple[Any, BaseException | None]], what: str
+    ) -> None:
+        """Raise for the first failed call, a dead train policy first (its peers' errors follow from it)."""
+        failed = [(p, err) for p, (_, err) in zip(policies, results, strict=True) if err is not None]
+        if not failed:
+            return
+        for p, err in failed:
+            if _is_dead(err) and any(p is t for t in self.train_list):
+                self._raise_for(p, err, what)
+        if any(is_remote(p) for p in self.train_list) and not any(_is_dead(e) for _, e in failed):
+            self.check_liveness()  # a peer-lost error usually means a trainer died: name it
+        self._raise_for(failed[0][0], failed[0][1], what)
 
     def _raise_for(self, policy: Policy, error: BaseException, what: str) -> None:
         name = self._name(policy)
@@ -532,9 +544,9 @@ class PolicyGroup:
             versions = self._call_all(self.train_list + self.eval_list, "get_weight_version")
             self._version = max([self._version, *versions])
             self._staged_version = None
-            for p in self.eval_list:
+            for p, v in zip(self.eval_list, versions[len(self.train_list):], strict=True):
                 self._router_add(p)
-                self.router.set_version(self._wid(p), self._version)
+                self.router.set_version(self._wid(p), int(v))  # what it really serves
 
     def init_comm_group(self, backend: str = "nccl", is_colocated: bool = False) -> None:
         """Create the world group, intra-node groups, one group per cross-node transfer item and
@@ -827,9 +839,7 @@ class PolicyGroup:
         calls = list(zip(self.train_list, [r if isinstance(r, ray.ObjectRef) else _Local(r, None) for r in refs],
                          strict=True))
         results = self._gather(calls, self.config.rpc_timeout_s, "train")
-        for (p, _), (_, err) in zip(calls, results, strict=True):
-            if err is not None:
-                self._raise_for(p, err, "train")
+        self._raise_failures(self.train_list, results, "train")
         info: dict[str, float] = results[0][0]
         return info
 
@@ -913,12 +923,12 @@ class PolicyGroup:
                 self._router_remove(p)
                 self._eval_task_submitter.forget(p)
             self.policy_list[PolicyRole.EVAL] = self.eval_list[:-num]
-            state = self._call_all(self.train_list[:1], "get_state_dict")[0]
+            state = self._call_all(self.train_list[:1], "get_training_state")[0]
             base = len(self.train_list)
             for i, p in enumerate(moved):
                 self._call_all([p], "set_role", PolicyRole.TRAIN.value, base + i)
-                self._call_all([p], "load_state_dict", state)
-                self._call_all([p], "init_train", getattr(self, "_train_config", None), None)
+                self._call_all([p], "init_train", state.get("train_config"), None)
+                self._call_all([p], "load_training_state", state)  # model and optimizer in step
                 self.train_list.append(p)
             self._rewire()
 

@@ -243,11 +243,13 @@ class BasePolicy:
         entry[1] += time.perf_counter() - start
 
     def init_eval(self, eval_config: Any = None, env_meta: Any = None) -> None:
+        self.set_role(PolicyRole.EVAL)
         self.eval_config = eval_config
         self.env_meta = env_meta
         self.model.eval()
 
     def init_train(self, train_config: TrainConfig | None = None, env_meta: Any = None) -> None:
+        self.set_role(PolicyRole.TRAIN)
         self.train_config = train_config
         self.env_meta = env_meta
         self.model.train()
@@ -404,6 +406,23 @@ class BasePolicy:
         with torch.no_grad():
             for name, tensor in state_of(self.model).items():
                 tensor.copy_(state[name])
+
+    def get_training_state(self) -> dict[str, Any]:
+        """Model and optimizer state (to start a new data-parallel trainer exactly in step)."""
+        return {
+            "model": self.get_state_dict(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
+            "train_config": self.train_config,
+        }
+
+    def load_training_state(self, state: Mapping[str, Any]) -> None:
+        """Become a replica of the trainer `state` came from (role must be train already)."""
+        self.load_state_dict(state["model"])
+        self.train_config = state.get("train_config", self.train_config)
+        self.optimizer = self.build_optimizer(self.train_config)
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self._ref_model = None
 
     def get_weight_layout(self, bucket_bytes: int) -> dict[str, Any]:
         return Layout.from_state_dict(state_of(self.model), bucket_bytes).to_dict()
