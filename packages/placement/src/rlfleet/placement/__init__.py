@@ -27,6 +27,16 @@ from rlfleet.placement._placement import (
     place_disaggregated,
 )
 from rlfleet.placement._plan import LinkLoad, TransferPlan, TransferStep
+from rlfleet.placement._reshard import (
+    DEFAULT_STRIPE_BYTES,
+    DTYPE_SIZES,
+    Move,
+    Parallelism,
+    ParamSpec,
+    ReshardError,
+    ReshardPlan,
+    plan_reshard,
+)
 from rlfleet.placement._seed import (
     WEIGHT_BUFFER_STRATEGIES,
     build_transfer_info_for_colocated,
@@ -42,6 +52,14 @@ from rlfleet.placement._transfer import (
 )
 
 __all__ = [
+    "DEFAULT_STRIPE_BYTES",
+    "DTYPE_SIZES",
+    "Move",
+    "ParamSpec",
+    "Parallelism",
+    "ReshardError",
+    "ReshardPlan",
+    "plan_reshard",
     "DEFAULT_BUCKET_BYTES",
     "DEVICE_KINDS",
     "INTRA_NODE",
