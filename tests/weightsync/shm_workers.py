@@ -53,8 +53,8 @@ def make_state(version: int, small: int = 40) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     sd["embed.weight"] = random_tensor((300, 160), torch.bfloat16, g)  # 96000 B > BUCKET: alone
     for name, dtype in DTYPES.items():
-        sd[f"dtype.{name}"] = random_tensor((3, 5, 7), dtype, g)
-        sd[f"scalar.{name}"] = random_tensor((), dtype, g)
+        sd[f"dtypes.t_{name}"] = random_tensor((3, 5, 7), dtype, g)
+        sd[f"scalars.t_{name}"] = random_tensor((), dtype, g)
     sd["empty"] = torch.zeros(0, 4)
     sd["empty_bf16"] = torch.zeros(5, 0, dtype=torch.bfloat16)
     sd["transposed"] = random_tensor((48, 32), torch.float32, g).t()
@@ -216,7 +216,7 @@ def shared_reader(name: str, commands: Any, queue: Any) -> None:
             if command == "stop":
                 break
             if command == "write":  # must fault: the mapping is read-only
-                next(iter(module.parameters())).data.add_(1)
+                max(module.parameters(), key=lambda p: p.numel()).data.add_(1)
                 continue
             version = reader.wait_for_version(int(command), TIMEOUT)
             state = dict(module.state_dict())
