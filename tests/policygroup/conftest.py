@@ -11,7 +11,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import pg_policies  # noqa: E402
+import contextlib
+
+import pg_policies
 
 NODES = 3
 
@@ -21,10 +23,8 @@ def cluster() -> Iterator[Any]:
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove("/tmp/ray/ray_current_cluster")
-    except FileNotFoundError:
-        pass
     ray.cloudpickle.register_pickle_by_value(pg_policies)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     c = Cluster(
@@ -44,10 +44,8 @@ def cluster() -> Iterator[Any]:
     finally:
         ray.shutdown()
         c.shutdown()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove("/tmp/ray/ray_current_cluster")
-        except FileNotFoundError:
-            pass
 
 
 def node_ids() -> dict[str, str]:

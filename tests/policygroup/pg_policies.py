@@ -18,7 +18,9 @@ ACTIONS = 4
 
 def make_model() -> nn.Module:
     torch.manual_seed(1234)  # every worker starts from the same weights
-    return nn.Sequential(nn.Linear(OBS_DIM, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, ACTIONS))
+    return nn.Sequential(
+        nn.Linear(OBS_DIM, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, ACTIONS)
+    )
 
 
 class MLPPolicy(BasePolicy):

@@ -31,7 +31,14 @@ from rlfleet.policygroup import (  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 STRATEGIES = [("None", "WeightBuffer"), ("Double", "WeightBuffer"), ("Shared", "CPUWeightBuffer")]
-PLACES = {"train0": "node0", "train1": "node1", "eval0": "node0", "eval1": "node1", "eval2": "node2", "eval3": "node2"}
+PLACES = {
+    "train0": "node0",
+    "train1": "node1",
+    "eval0": "node0",
+    "eval1": "node1",
+    "eval2": "node2",
+    "eval3": "node2",
+}
 
 
 def config(strategy: str = "Double", kind: str = "WeightBuffer", **kw: Any) -> PolicyConfig:
@@ -58,13 +65,18 @@ def actors(cluster: Any) -> dict[str, Any]:
     return out
 
 
-def make_group(actors: dict[str, Any], cfg: PolicyConfig, colocated: bool = False,
-               evals: tuple[str, ...] = ("eval0", "eval1", "eval2", "eval3")) -> PolicyGroup:
+def make_group(
+    actors: dict[str, Any],
+    cfg: PolicyConfig,
+    colocated: bool = False,
+    evals: tuple[str, ...] = ("eval0", "eval1", "eval2", "eval3"),
+) -> PolicyGroup:
     group = PolicyGroup([actors["train0"], actors["train1"]], [actors[e] for e in evals], cfg)
     group.init(TrainConfig(lr=1e-2))
     group.init_placement_info(is_colocated=colocated)
     group.init_weight_buffer()
     group.init_comm_group("gloo", is_colocated=colocated)
+    group.sync_weights()  # eval policies start from the trainers' weights (they served other groups before)
     return group
 
 
@@ -147,7 +159,9 @@ def test_node_affinity_routing(actors: dict[str, Any], mode: str) -> None:
         "node1": {"env": {"ids": [4, 5, 6, 7]}, "eval": {"ids": [1]}},
         "node2": {"env": {"ids": [8, 9, 10, 11]}, "eval": {"ids": [2, 3]}},
     }
-    group = make_group(actors, config(rollout_mode=mode, router_type="node_affinity", component_distribution=dist))
+    group = make_group(
+        actors, config(rollout_mode=mode, router_type="node_affinity", component_distribution=dist)
+    )
     try:
         ids = [f"env-{i}" for i in range(12)]
         real = node_ids()
@@ -210,7 +224,8 @@ def test_role_conversion(actors: dict[str, Any]) -> None:
         group.train(None, seed=11)
         group.sync_weights()
         group.convert_train_to_eval(1)
-        assert len(group.train_list) == 1 and len(group.eval_list) == 5
+        assert len(group.train_list) == 1
+        assert len(group.eval_list) == 5
         assert ray.get(group.eval_list[-1].get_role.remote(), timeout=30) == "eval"
         check_synced(group)
         assert len(rollout_values(group, obs(10))) == 10
@@ -218,7 +233,8 @@ def test_role_conversion(actors: dict[str, Any]) -> None:
         group.sync_weights()
         check_synced(group)
         group.convert_eval_to_train(1)
-        assert len(group.train_list) == 2 and len(group.eval_list) == 4
+        assert len(group.train_list) == 2
+        assert len(group.eval_list) == 4
         assert ray.get(group.train_list[-1].get_role.remote(), timeout=30) == "train"
         check_synced(group)
         train_sync_and_check(group, 13)  # DDP over the rebuilt train group keeps both trainers equal
@@ -230,8 +246,17 @@ def test_comm_group_names_the_rank_that_did_not_join(actors: dict[str, Any]) -> 
     a, b = actors["train0"], actors["eval2"]
     addr, port = ray.get(a._get_addr_and_port.remote(), timeout=30)
     refs = [
-        p.init_distributed_env.remote(rank=r, world_size=3, local_rank=0, local_world_size=1, master_addr=addr,
-                                      master_port=port, backend="gloo", timeout_s=3.0, epoch="missing")
+        p.init_distributed_env.remote(
+            rank=r,
+            world_size=3,
+            local_rank=0,
+            local_world_size=1,
+            master_addr=addr,
+            master_port=port,
+            backend="gloo",
+            timeout_s=3.0,
+            epoch="missing",
+        )
         for r, p in enumerate((a, b))
     ]
     for ref in refs:
@@ -249,7 +274,8 @@ def test_zz_dead_eval_is_dropped_and_sync_completes(actors: dict[str, Any]) -> N
         victim = actors["eval3"]
         ray.kill(victim, no_restart=True)
         group.sync_weights()  # detects the death, re-plans, syncs the survivors
-        assert len(group.eval_list) == 3 and all(p is not victim for p in group.eval_list)
+        assert len(group.eval_list) == 3
+        assert all(p is not victim for p in group.eval_list)
         check_synced(group)
         out = rollout_values(group, obs(9))
         assert {r["worker"] for r in out} == {0, 1, 2}

@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from rlfleet.placement import Placement, Topology, place_colocated, place_disaggregated
+from rlfleet.policygroup._comm import ray_nodes
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup._group import PolicyGroup
@@ -21,7 +22,7 @@ from rlfleet.policygroup._worker import BasePolicy, PolicyRole
 
 def ray_topology(nodes: Sequence[str] | None = None, slots_per_node: int = 1, kind: str = "cpu") -> Topology:
     """A placement Topology of alive Ray nodes (head first), `slots_per_node` devices each."""
-    alive = [n for n in ray.nodes() if n.get("Alive")]
+    alive = [n for n in ray_nodes() if n.get("Alive")]
     if nodes is None:
         alive.sort(key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeID"]))
         ids = [n["NodeID"] for n in alive]
@@ -54,7 +55,7 @@ def plan_placement(
 ) -> Placement:
     """Where each worker goes: train-i / eval-i ids on Ray node ids (rlfleet.placement)."""
     kind = "gpu" if (config.train_num_gpus or config.eval_num_gpus) else "cpu"
-    n_nodes = len(nodes) if nodes is not None else len([n for n in ray.nodes() if n.get("Alive")])
+    n_nodes = len(nodes) if nodes is not None else len([n for n in ray_nodes() if n.get("Alive")])
     if slots_per_node is None:
         need = num_train if colocated else num_train + num_eval
         slots_per_node = max(1, math.ceil(need / max(1, n_nodes)))
@@ -62,7 +63,9 @@ def plan_placement(
     cpus = max(config.train_num_cpus, config.eval_num_cpus, 0.01)
     if colocated:
         return place_colocated(topology, num_train, num_eval, cpus_per_worker=cpus, device_kind=kind)
-    return place_disaggregated(topology, num_train, num_eval, mode=mode, cpus_per_worker=cpus, device_kind=kind)
+    return place_disaggregated(
+        topology, num_train, num_eval, mode=mode, cpus_per_worker=cpus, device_kind=kind
+    )
 
 
 def build_policy_group(
@@ -92,7 +95,13 @@ def build_policy_group(
     if scheduling not in ("node_affinity", "placement_group"):
         raise ValueError(f"scheduling must be 'node_affinity' or 'placement_group', got {scheduling!r}")
     placement = plan_placement(
-        num_train, num_eval, config, colocated=colocated, nodes=nodes, slots_per_node=slots_per_node, mode=mode
+        num_train,
+        num_eval,
+        config,
+        colocated=colocated,
+        nodes=nodes,
+        slots_per_node=slots_per_node,
+        mode=mode,
     )
     remote_cls = ray.remote(policy_cls)
     pg = None
@@ -106,12 +115,14 @@ def build_policy_group(
                 f"placement group {placement.ray_bundles()} not ready within {ready_timeout_s:.0f}s"
             ) from None
     actors: dict[str, list[Any]] = {"train": [], "eval": []}
-    for w in sorted(placement.workers, key=lambda w: (w.role != "train", int(str(w.worker_id).split("-")[-1]))):
+    for w in sorted(
+        placement.workers, key=lambda w: (w.role != "train", int(str(w.worker_id).split("-")[-1]))
+    ):
         train = w.role == "train"
         index = len(actors[w.role])
         strategy: Any
         if pg is not None:
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w.bundle_index)
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w.bundle_index or 0)
         else:
             strategy = NodeAffinitySchedulingStrategy(node_id=w.node, soft=False)
         cpus = config.train_num_cpus if train else config.eval_num_cpus
@@ -137,10 +148,13 @@ def build_policy_group(
     group.placement = placement  # type: ignore[attr-defined]
     try:
         everyone = actors["train"] + actors["eval"]
-        ready, pending = ray.wait([a.is_alive.remote() for a in everyone], num_returns=len(everyone),
-                                  timeout=ready_timeout_s)
+        ready, pending = ray.wait(
+            [a.is_alive.remote() for a in everyone], num_returns=len(everyone), timeout=ready_timeout_s
+        )
         if pending:
-            raise PolicyGroupError(f"{len(pending)} policy actor(s) did not start within {ready_timeout_s:.0f}s")
+            raise PolicyGroupError(
+                f"{len(pending)} policy actor(s) did not start within {ready_timeout_s:.0f}s"
+            )
         ray.get(ready, timeout=30)
         if init:
             group.init(train_config if train_config is not None else TrainConfig())

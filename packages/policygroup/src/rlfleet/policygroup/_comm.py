@@ -22,11 +22,9 @@ def _describe(plan: CommGroupPlan, rank: int, names: dict[Hashable, str]) -> str
     return f"rank {rank} ({names.get(info.actor_id, info.actor_id)}, node {str(info.node_id)[:12]})"
 
 
-def wait_all(
-    refs: Sequence[Any], owners: Sequence[str], timeout_s: float, what: str
-) -> list[Any]:
+def wait_all(refs: Sequence[Any], owners: Sequence[str], timeout_s: float, what: str) -> list[Any]:
     """Get every ref within `timeout_s`; errors name the owner whose call failed or did not finish."""
-    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    _ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
         late = [owners[i] for i, r in enumerate(refs) if r in set(pending)]
         raise CommGroupError(f"{what}: {', '.join(late)} did not finish within {timeout_s:.1f}s")
@@ -44,10 +42,16 @@ def wait_all(
     return out
 
 
+def ray_nodes() -> list[dict[str, Any]]:
+    """`ray.nodes()`, typed."""
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return nodes
+
+
 def local_host() -> str | None:
     """127.0.0.1 when every alive Ray node runs on this one machine (tests, laptops), else None."""
     try:
-        addresses = {n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")}
+        addresses = {n.get("NodeManagerAddress") for n in ray_nodes() if n.get("Alive")}
     except Exception:
         return None
     return "127.0.0.1" if len(addresses) <= 1 else None

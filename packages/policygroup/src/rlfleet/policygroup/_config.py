@@ -87,11 +87,15 @@ class PolicyConfig:
 
     def validate(self) -> None:
         if self.rollout_mode not in ROLLOUT_MODES:
-            raise ValueError(f"rollout_mode {self.rollout_mode!r} is unknown; valid: {', '.join(ROLLOUT_MODES)}")
+            raise ValueError(
+                f"rollout_mode {self.rollout_mode!r} is unknown; valid: {', '.join(ROLLOUT_MODES)}"
+            )
         if self.router_type not in ROUTER_TYPES:
             raise ValueError(f"router_type {self.router_type!r} is unknown; valid: {', '.join(ROUTER_TYPES)}")
         if not isinstance(self.weight_buffer, WeightBufferConfig):
-            raise TypeError(f"weight_buffer must be a WeightBufferConfig, got {type(self.weight_buffer).__name__}")
+            raise TypeError(
+                f"weight_buffer must be a WeightBufferConfig, got {type(self.weight_buffer).__name__}"
+            )
         self.weight_buffer.validate()
         for name in ("train_num_gpus", "eval_num_gpus", "train_num_cpus", "eval_num_cpus"):
             value = getattr(self, name)

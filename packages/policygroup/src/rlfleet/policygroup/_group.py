@@ -8,6 +8,7 @@ die or change roles.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -123,6 +124,8 @@ class PolicyGroup:
         self._uid = uuid.uuid4().hex[:10]
         self._lock = threading.RLock()  # membership, plans and versions (never held while serving)
         self._version = 0
+        self._staged_version: int | None = None
+        self._train_config: Any = None
         self._is_colocated = False
         self._node_of: dict[Hashable, Any] = {}
         self._gpu_of: dict[Hashable, Any] = {}
@@ -207,7 +210,9 @@ class PolicyGroup:
                 if ref in late:
                     results[i] = (
                         None,
-                        TaskTimeoutError(f"{what}: {self._name(calls[i][0])} did not finish within {timeout:.1f}s"),
+                        TaskTimeoutError(
+                            f"{what}: {self._name(calls[i][0])} did not finish within {timeout:.1f}s"
+                        ),
                     )
                     continue
                 try:
@@ -219,12 +224,12 @@ class PolicyGroup:
                 results[i] = (c.value, c.error)
         return results
 
-    def _call_all(self, policies: Sequence[Policy], method: str, *args: Any, timeout: float | None = None,
-                  **kwargs: Any) -> list[Any]:
+    def _call_all(
+        self, policies: Sequence[Policy], method: str, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         """Call `method` on every policy at once; raise on the first failure (naming the policy)."""
         timeout = self.config.rpc_timeout_s if timeout is None else timeout
         calls = [(p, self._invoke(p, method, *args, **kwargs)) for p in policies]
-        out = []
         results = self._gather(calls, timeout, method)
         self._raise_failures([p for p, _ in calls], results, method)
         return [value for value, _ in results]
@@ -247,7 +252,9 @@ class PolicyGroup:
         name = self._name(policy)
         if _is_dead(error):
             if any(p is policy for p in self.train_list):
-                raise TrainWorkerDiedError(f"{what}: {name} died; its training state is lost: {error}") from None
+                raise TrainWorkerDiedError(
+                    f"{what}: {name} died; its training state is lost: {error}"
+                ) from None
             raise WorkerDiedError(f"{what}: {name} died: {error}") from None
         if isinstance(error, TaskTimeoutError):
             raise error
@@ -261,7 +268,8 @@ class PolicyGroup:
             if dist is None:
                 raise ValueError(
                     "router_type 'node_affinity' needs PolicyConfig.component_distribution "
-                    "({node: {'env': {'ids': [...]}, 'eval': {'ids': [...]}}}, as the seed's resource manager)"
+                    "({node: {'env': {'ids': [...]}, 'eval': {'ids': [...]}}}, "
+                    "as the seed's resource manager)"
                 )
             for node, comps in dist.items():
                 for idx in comps.get("eval", {}).get("ids", []):
@@ -282,10 +290,8 @@ class PolicyGroup:
         self.router.add_worker(wid, node=node, version=self._version)
 
     def _router_remove(self, policy: Policy) -> None:
-        try:
+        with contextlib.suppress(UnknownWorkerError):
             self.router.remove_worker(self._wid(policy))
-        except UnknownWorkerError:
-            pass
 
     def _release_later(self, ref: Any, wid: Hashable, count: int) -> None:
         """Release `count` requests on `wid` when `ref` completes (callback, no polling)."""
@@ -312,10 +318,8 @@ class PolicyGroup:
 
     def _mark_dead(self, wid: Hashable) -> None:
         self._dead.add(wid)
-        try:
+        with contextlib.suppress(UnknownWorkerError):
             self.router.remove_worker(wid)
-        except UnknownWorkerError:
-            pass
 
     def rollout_batch(self, batched_env_ret: BatchedData[Any]) -> BatchedData[Any]:
         """Route each request (env id as key) and dispatch one task per eval policy per batch.
@@ -341,13 +345,19 @@ class PolicyGroup:
             chunk = [values[i] for i in idxs]
             if is_remote(policy):
                 method = policy._rollout_many
-                refs = method.options(num_returns=len(idxs)).remote(chunk) if len(idxs) > 1 else [method.remote(chunk)]
+                refs = (
+                    method.options(num_returns=len(idxs)).remote(chunk)
+                    if len(idxs) > 1
+                    else [method.remote(chunk)]
+                )
                 for i, ref in zip(idxs, refs, strict=True):
                     out[i] = ref
                 self._release_later(refs[-1], wid, len(idxs))
             else:
                 try:
-                    results = policy.rollout_many_step(chunk) if len(chunk) > 1 else [policy._rollout(chunk[0])]
+                    results = (
+                        policy.rollout_many_step(chunk) if len(chunk) > 1 else [policy._rollout(chunk[0])]
+                    )
                 finally:
                     for _ in idxs:
                         self.router.release(wid)
@@ -431,7 +441,9 @@ class PolicyGroup:
             info: dict[Any, dict[str, list[Policy]]] = {}
             for key, lst in (("train_policies", self.train_list), ("eval_policies", self.eval_list)):
                 for p in lst:
-                    entry = info.setdefault(self._node_of[self._wid(p)], {"train_policies": [], "eval_policies": []})
+                    entry = info.setdefault(
+                        self._node_of[self._wid(p)], {"train_policies": [], "eval_policies": []}
+                    )
                     entry[key].append(p)
             self.placement_info = info
             strategy = self.config.weight_buffer.buffer_strategy
@@ -444,7 +456,10 @@ class PolicyGroup:
                     self.placement_info, "Double" if strategy == "Sharded" else strategy
                 )
             self._plan = self._make_plan()
-            logger.info("placement_info: %s", {str(k)[:12]: {r: len(v) for r, v in e.items()} for k, e in info.items()})
+            logger.info(
+                "placement_info: %s",
+                {str(k)[:12]: {r: len(v) for r, v in e.items()} for k, e in info.items()},
+            )
 
     def _make_plan(self) -> _SyncPlan:
         """Turn the seed-shaped transfer_info into segment writers, segment readers and broadcasts."""
@@ -455,7 +470,9 @@ class PolicyGroup:
         def evals_on(n: Any) -> list[Policy]:
             return [p for p in self.eval_list if node[self._wid(p)] == n]
 
-        items: list[tuple[Any, dict[str, Any]]] = [(n, it) for n, lst in self.transfer_info.items() for it in lst]
+        items: list[tuple[Any, dict[str, Any]]] = [
+            (n, it) for n, lst in self.transfer_info.items() for it in lst
+        ]
         fed: set[Any] = set()  # nodes whose segment gets filled (Shared)
         for _, item in items:
             sender = item["sender"]
@@ -523,28 +540,34 @@ class PolicyGroup:
             bucket_bytes = self.config.weight_buffer.bucket_bytes
             self._layout = self._call_all(self.train_list[:1], "get_weight_layout", bucket_bytes)[0]
             self.shared_weight_buffer_map = {}
-            calls = []
+            calls: list[tuple[Policy, dict[str, Any] | None]] = []
             if strategy == "Shared":
                 for node, entry in self.placement_info.items():
                     evals = entry["eval_policies"]
                     if not evals:
                         continue
                     spec = {"name": self._segment_name(node), "node_id": node}
-                    self.shared_weight_buffer_map[node] = {"shared_weight_buffer": spec, "eval_policies": evals}
+                    self.shared_weight_buffer_map[node] = {
+                        "shared_weight_buffer": spec,
+                        "eval_policies": evals,
+                    }
                     calls += [(p, spec) for p in evals]
             else:
                 calls = [(p, None) for p in self.eval_list]
-            refs = [(p, self._invoke(p, "init_weight_buffer", spec, strategy=strategy, layout=self._layout))
-                    for p, spec in calls]
-            for (p, _), (_, err) in zip(refs, self._gather(refs, self.config.rpc_timeout_s, "init_weight_buffer"),
-                                        strict=True):
+            refs = [
+                (p, self._invoke(p, "init_weight_buffer", spec, strategy=strategy, layout=self._layout))
+                for p, spec in calls
+            ]
+            for (p, _), (_, err) in zip(
+                refs, self._gather(refs, self.config.rpc_timeout_s, "init_weight_buffer"), strict=True
+            ):
                 if err is not None:
                     self._raise_for(p, err, "init_weight_buffer")
             # a group built over workers that served an earlier group continues their numbering
             versions = self._call_all(self.train_list + self.eval_list, "get_weight_version")
             self._version = max([self._version, *versions])
             self._staged_version = None
-            for p, v in zip(self.eval_list, versions[len(self.train_list):], strict=True):
+            for p, v in zip(self.eval_list, versions[len(self.train_list) :], strict=True):
                 self._router_add(p)
                 self.router.set_version(self._wid(p), int(v))  # what it really serves
 
@@ -563,9 +586,13 @@ class PolicyGroup:
             if not self._node_of:
                 self._query_nodes(everyone)
             members = self.train_list if (is_colocated and not self._plan.cross) else everyone
-            actors = [(self._wid(p), self._node_of[self._wid(p)], self._gpu_of[self._wid(p)]) for p in members]
-            transfer = [{"sender": self._wid(c.sender), "receiver": [self._wid(r) for r in c.receivers]}
-                        for c in self._plan.cross]
+            actors = [
+                (self._wid(p), self._node_of[self._wid(p)], self._gpu_of[self._wid(p)]) for p in members
+            ]
+            transfer = [
+                {"sender": self._wid(c.sender), "receiver": [self._wid(r) for r in c.receivers]}
+                for c in self._plan.cross
+            ]
             plan = plan_comm_groups(
                 actors, transfer, [self._wid(p) for p in self.train_list], weight_buffer_strategy="Double"
             )
@@ -590,15 +617,18 @@ class PolicyGroup:
         for c in missing:
             ranks = self._members(c)
             if ranks is None:
-                raise PolicyGroupError(f"{self._name(c.sender)} or a receiver has no rank; call init_comm_group()")
+                raise PolicyGroupError(
+                    f"{self._name(c.sender)} or a receiver has no rank; call init_comm_group()"
+                )
             self._rebuilds += 1
             gid = f"{ParallelMode.WEIGHT_TRANSFER.value}/r{self._rebuilds}"
             groups.append(CommGroup(gid, ParallelMode.WEIGHT_TRANSFER.value, ranks, c.node, ranks[0]))
             c.group_id, c.src_rank = gid, ranks[0]
             self._groups_made[ranks] = gid
         by_wid = {self._wid(p): p for p in self.train_list + self.eval_list}
-        _comm.create_groups(self._world, groups, by_wid, self._names(), self._comm_backend,
-                            self.config.group_timeout_s)
+        _comm.create_groups(
+            self._world, groups, by_wid, self._names(), self._comm_backend, self.config.group_timeout_s
+        )
 
     # ================================================================== faults
     def check_liveness(self, timeout: float = 10.0) -> list[str]:
@@ -639,8 +669,9 @@ class PolicyGroup:
     def _replan(self) -> None:
         if not self.placement_info:
             return
-        self.placement_info = {n: e for n, e in self.placement_info.items()
-                               if e["train_policies"] or e["eval_policies"]}
+        self.placement_info = {
+            n: e for n, e in self.placement_info.items() if e["train_policies"] or e["eval_policies"]
+        }
         strategy = self.config.weight_buffer.buffer_strategy
         if not self.train_list or not self.eval_list:
             self.transfer_info = {}
@@ -679,7 +710,12 @@ class PolicyGroup:
             calls.append((writer, ref))
             fills[node] = ref
         for c in self._plan.cross:
-            calls.append((c.sender, self._invoke(c.sender, "send_broadcast", c.group_id, version, bucket_bytes, timeout)))
+            calls.append(
+                (
+                    c.sender,
+                    self._invoke(c.sender, "send_broadcast", c.group_id, version, bucket_bytes, timeout),
+                )
+            )
             for r in c.receivers:
                 shared_name = self._segment_name(c.node) if strategy == "Shared" else None
                 ref = self._invoke(r, "recv_broadcast", c.group_id, c.src_rank, version, timeout, shared_name)
@@ -692,7 +728,9 @@ class PolicyGroup:
                 raise PolicyGroupError(f"send_weights: nothing fills the weight segment of node {node!r}")
             dep_arg = dep if isinstance(dep, ray.ObjectRef) else None
             for r in readers:
-                calls.append((r, self._invoke(r, "stage_from_segment", self._segment_name(node), version, dep_arg)))
+                calls.append(
+                    (r, self._invoke(r, "stage_from_segment", self._segment_name(node), version, dep_arg))
+                )
         results = self._gather(calls, timeout, f"send_weights v{version}")
         failed = [(p, err) for (p, _), (_, err) in zip(calls, results, strict=True) if err is not None]
         if not failed:
@@ -712,8 +750,11 @@ class PolicyGroup:
         if strategy == "None":
             self._undrain(self.eval_list)
         if retry and len(self.eval_list) < dead_before:
-            logger.warning("[PolicyGroup] send_weights v%d: retrying for %d surviving eval policies",
-                           version, len(self.eval_list))
+            logger.warning(
+                "[PolicyGroup] send_weights v%d: retrying for %d surviving eval policies",
+                version,
+                len(self.eval_list),
+            )
             self._send(version, retry=False)
             return
         p, err = failed[0]
@@ -740,10 +781,8 @@ class PolicyGroup:
 
     def _finish_in_place(self, version: int) -> None:
         for p in self.eval_list:
-            try:
+            with contextlib.suppress(UnknownWorkerError):
                 self.router.set_version(self._wid(p), version)
-            except UnknownWorkerError:
-                pass
         self._undrain(self.eval_list)
         self._version = version
 
@@ -764,8 +803,11 @@ class PolicyGroup:
                     continue
                 try:
                     self.router.wait_drained(wid, self.config.drain_timeout_s)
-                    [(_, err)] = self._gather([(p, self._invoke(p, "apply_staged", version))],
-                                              self.config.rpc_timeout_s, "apply_staged")
+                    [(_, err)] = self._gather(
+                        [(p, self._invoke(p, "apply_staged", version))],
+                        self.config.rpc_timeout_s,
+                        "apply_staged",
+                    )
                     if _is_dead(err):
                         self._drop_eval(p, f"died while applying v{version}")
                         continue
@@ -792,8 +834,12 @@ class PolicyGroup:
         ):
             if err is not None or not value:
                 ok = False
-                logger.warning("[WeightConsistency] Eval policy %d (%s) weight update not done: %s",
-                               i, self._name(p), err or "timed out")
+                logger.warning(
+                    "[WeightConsistency] Eval policy %d (%s) weight update not done: %s",
+                    i,
+                    self._name(p),
+                    err or "timed out",
+                )
         return ok
 
     def eval_weight_versions(self) -> list[int]:
@@ -810,8 +856,12 @@ class PolicyGroup:
             problems = compare_fingerprints(ref, fp, rtol)
             if problems:
                 all_ok = False
-                logger.warning("[WeightConsistency] Eval policy %d has %d mismatched parameter(s): %s",
-                               i, len(problems), "; ".join(problems[:10]))
+                logger.warning(
+                    "[WeightConsistency] Eval policy %d has %d mismatched parameter(s): %s",
+                    i,
+                    len(problems),
+                    "; ".join(problems[:10]),
+                )
         return all_ok
 
     def verify_eval_weight_checksums(self) -> bool:
@@ -824,20 +874,31 @@ class PolicyGroup:
         return not bad
 
     # ================================================================== training
-    def reset_training_state(self, train_config: TrainConfig, env_meta: Any = None, seed: int | None = None) -> None:
+    def reset_training_state(
+        self, train_config: TrainConfig, env_meta: Any = None, seed: int | None = None
+    ) -> None:
         self._call_all(self.train_list, "reset_training_state", train_config, env_meta, seed)
         self._call_all(self.train_list, "dist_barrier", ParallelMode.TRAIN_DATA_PARALLEL.value)
 
     def update_dataset(self, sample_data: list[Any]) -> list[Any]:
         if len(sample_data) != len(self.train_list):
-            raise ValueError(f"update_dataset: {len(sample_data)} shards for {len(self.train_list)} train policies")
-        return [self._train_task_submitter.submit(p.update_dataset, d) for p, d in zip(self.train_list, sample_data,
-                                                                                           strict=True)]
+            raise ValueError(
+                f"update_dataset: {len(sample_data)} shards for {len(self.train_list)} train policies"
+            )
+        return [
+            self._train_task_submitter.submit(p.update_dataset, d)
+            for p, d in zip(self.train_list, sample_data, strict=True)
+        ]
 
     def train(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         refs = [self._train_task_submitter.submit(p.train, *args, **kwargs) for p in self.train_list]
-        calls = list(zip(self.train_list, [r if isinstance(r, ray.ObjectRef) else _Local(r, None) for r in refs],
-                         strict=True))
+        calls = list(
+            zip(
+                self.train_list,
+                [r if isinstance(r, ray.ObjectRef) else _Local(r, None) for r in refs],
+                strict=True,
+            )
+        )
         results = self._gather(calls, self.config.rpc_timeout_s, "train")
         self._raise_failures(self.train_list, results, "train")
         info: dict[str, float] = results[0][0]
@@ -895,8 +956,10 @@ class PolicyGroup:
         """Turn the last `num` train policies into eval policies (at least one trainer stays)."""
         with self._lock:
             if not 0 < num < len(self.train_list):
-                raise ValueError(f"convert_train_to_eval({num}): have {len(self.train_list)} train policies, "
-                                 "at least one must stay")
+                raise ValueError(
+                    f"convert_train_to_eval({num}): have {len(self.train_list)} train policies, "
+                    "at least one must stay"
+                )
             moved = self.train_list[-num:]
             self.policy_list[PolicyRole.TRAIN] = self.train_list[:-num]
             base = len(self.eval_list)
@@ -913,10 +976,14 @@ class PolicyGroup:
         """Turn the last `num` eval policies into train policies (at least one eval stays)."""
         with self._lock:
             if not 0 < num < len(self.eval_list):
-                raise ValueError(f"convert_eval_to_train({num}): have {len(self.eval_list)} eval policies, "
-                                 "at least one must stay")
+                raise ValueError(
+                    f"convert_eval_to_train({num}): have {len(self.eval_list)} eval policies, "
+                    "at least one must stay"
+                )
             if not self.train_list:
-                raise PolicyGroupError("convert_eval_to_train: no train policy to copy the training state from")
+                raise PolicyGroupError(
+                    "convert_eval_to_train: no train policy to copy the training state from"
+                )
             moved = self.eval_list[-num:]
             self._drain(moved)
             for p in moved:
@@ -939,16 +1006,12 @@ class PolicyGroup:
         calls = [(p, self._invoke(p, "release_weight_buffers")) for p in everyone]
         self._gather(calls, 30.0, "release_weight_buffers")
         for actor in self._owned_actors:
-            try:
+            with contextlib.suppress(Exception):
                 ray.kill(actor)
-            except Exception:
-                pass
         self._owned_actors = []
         for pg in self._placement_groups:
-            try:
+            with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(pg)
-            except Exception:
-                pass
         self._placement_groups = []
         with self._inflight_lock:
             self._inflight_refs.clear()

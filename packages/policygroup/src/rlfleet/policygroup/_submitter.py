@@ -41,7 +41,7 @@ class _Slot:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.pending: list[ray.ObjectRef] = []
+        self.pending: list[ray.ObjectRef[Any]] = []
 
 
 class TaskSubmitter:
@@ -79,7 +79,9 @@ class TaskSubmitter:
     @staticmethod
     def _prune(slot: _Slot) -> None:
         if slot.pending:
-            _, slot.pending = ray.wait(slot.pending, num_returns=len(slot.pending), timeout=0, fetch_local=False)
+            _, slot.pending = ray.wait(
+                slot.pending, num_returns=len(slot.pending), timeout=0, fetch_local=False
+            )
 
     def submit(
         self,

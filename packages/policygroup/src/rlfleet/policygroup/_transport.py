@@ -27,6 +27,8 @@ from rlfleet.weightsync import (
     pack_bucket,
 )
 
+_c10d: Any = dist  # TCPStore / PrefixStore / ProcessGroup* are not re-exported for mypy
+
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
@@ -129,15 +131,19 @@ def _wait(work: Any, end: float, what: str) -> None:
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=remaining))
     except RuntimeError as exc:
-        raise PeerLostError(f"{what}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from exc
+        raise PeerLostError(
+            f"{what}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}"
+        ) from exc
     if ok is False:
         raise SyncTimeoutError(f"{what}: broadcast did not finish within its deadline")
 
 
-def make_process_group(store: Any, prefix: str, group_rank: int, size: int, timeout_s: float, backend: str) -> Any:
+def make_process_group(
+    store: Any, prefix: str, group_rank: int, size: int, timeout_s: float, backend: str
+) -> Any:
     """A standalone process group among the members only (any creation order, any overlap)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    scoped = dist.PrefixStore(prefix, store)
+    scoped = _c10d.PrefixStore(prefix, store)
     if backend == "nccl":  # pragma: no cover - needs GPUs
-        return dist.ProcessGroupNCCL(scoped, group_rank, size)
-    return dist.ProcessGroupGloo(scoped, group_rank, size, timeout)
+        return _c10d.ProcessGroupNCCL(scoped, group_rank, size)
+    return _c10d.ProcessGroupGloo(scoped, group_rank, size, timeout)

@@ -8,6 +8,7 @@ and works the same in a local object and in a Ray actor.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import enum
@@ -43,6 +44,8 @@ from rlfleet.weightsync import (
     fingerprint,
     stand_down_armed_watchdogs,
 )
+
+_c10d: Any = dist  # TCPStore / PrefixStore / ProcessGroup* are not re-exported for mypy
 
 
 class PolicyRole(str, enum.Enum):
@@ -112,7 +115,7 @@ def _node_ip() -> str:
         import ray
 
         if ray.is_initialized():
-            return str(ray.util.get_node_ip_address())
+            return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
     except Exception:  # pragma: no cover - ray absent or not connected
         pass
     return "127.0.0.1"
@@ -442,11 +445,15 @@ class BasePolicy:
         node's segment; the model binds to it at the first swap.
         """
         if strategy is None:
-            strategy = "Shared" if shared_weight_buffer is not None else self.config.weight_buffer.buffer_strategy
+            strategy = (
+                "Shared" if shared_weight_buffer is not None else self.config.weight_buffer.buffer_strategy
+            )
         if strategy not in ("None", "Double", "Shared"):
             raise ValueError(f"weight buffer strategy {strategy!r} is not supported by {type(self).__name__}")
         bucket_bytes = self.config.weight_buffer.bucket_bytes
-        mine = Layout.from_state_dict(state_of(self.model), bucket_bytes if layout is None else int(layout["bucket_bytes"]))
+        mine = Layout.from_state_dict(
+            state_of(self.model), bucket_bytes if layout is None else int(layout["bucket_bytes"])
+        )
         if layout is not None:
             theirs = Layout.from_dict(layout)
             try:
@@ -553,10 +560,14 @@ class BasePolicy:
             )
         return self._layout
 
-    def _receive_target(self, version: int, shared_name: str | None) -> tuple[torch.Tensor, tuple[str, Any, int]]:
+    def _receive_target(
+        self, version: int, shared_name: str | None
+    ) -> tuple[torch.Tensor, tuple[str, Any, int]]:
         layout = self._require_layout()
         if version <= self._version:
-            raise VersionError(f"{self.role.value} policy {self.index}: got v{version}, already at v{self._version}")
+            raise VersionError(
+                f"{self.role.value} policy {self.index}: got v{version}, already at v{self._version}"
+            )
         if self._strategy == "Shared":
             name = shared_name or self._shared_name
             if name is None:
@@ -635,7 +646,8 @@ class BasePolicy:
         kind, where, staged_version = staged
         if version is not None and staged_version != version:
             raise VersionError(
-                f"{self.role.value} policy {self.index}: asked to apply v{version}, staged is v{staged_version}"
+                f"{self.role.value} policy {self.index}: asked to apply v{version}, "
+                f"staged is v{staged_version}"
             )
         layout = self._require_layout()
         self._serve.acquire_write(self.config.drain_timeout_s if timeout_s is None else timeout_s)
@@ -695,7 +707,7 @@ class BasePolicy:
         ip = host or _node_ip()
         self._close_store()
         timeout = datetime.timedelta(seconds=self.config.group_timeout_s)
-        self._store = dist.TCPStore(ip, 0, None, True, timeout=timeout, wait_for_workers=False)
+        self._store = _c10d.TCPStore(ip, 0, None, True, timeout=timeout, wait_for_workers=False)
         self._store_port = int(self._store.port)
         return ip, self._store_port
 
@@ -709,12 +721,12 @@ class BasePolicy:
         self._group_ranks.clear()
         self._mode_ranks.clear()
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # best effort
                 dist.destroy_process_group()
-            except Exception:  # pragma: no cover - best effort
-                pass
 
-    def _join(self, store: Any, prefix: str, rank: int, ranks: Sequence[int], timeout_s: float, what: str) -> None:
+    def _join(
+        self, store: Any, prefix: str, rank: int, ranks: Sequence[int], timeout_s: float, what: str
+    ) -> None:
         """Everyone announces itself; a rank that does not within the deadline is named."""
         store.set(f"{prefix}/joined/{rank}", b"1")
         keys = [f"{prefix}/joined/{r}" for r in ranks]
@@ -749,13 +761,13 @@ class BasePolicy:
         if rank == 0 and self._store is not None and self._store_port == master_port:
             store = self._store
         else:
-            store = dist.TCPStore(master_addr, master_port, None, False, timeout=timeout)
+            store = _c10d.TCPStore(master_addr, master_port, None, False, timeout=timeout)
             self._store = store
         prefix = f"rlfleet/{epoch}"
         self._join(store, f"{prefix}/world", rank, range(world_size), timeout_s, "init_distributed_env")
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"{prefix}/pg", store),
+            store=_c10d.PrefixStore(f"{prefix}/pg", store),
             rank=rank,
             world_size=world_size,
             timeout=timeout,
@@ -784,9 +796,21 @@ class BasePolicy:
         timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
         if not dist.is_initialized():
             raise CommGroupError(f"group {group_id!r}: init_distributed_env() must come first")
-        self._join(self._store, f"{self._prefix}/group/{group_id}", self._rank, ranks, timeout_s, f"group {group_id!r}")
+        self._join(
+            self._store,
+            f"{self._prefix}/group/{group_id}",
+            self._rank,
+            ranks,
+            timeout_s,
+            f"group {group_id!r}",
+        )
         group = make_process_group(
-            self._store, f"{self._prefix}/pg/{group_id}", ranks.index(self._rank), len(ranks), timeout_s, backend
+            self._store,
+            f"{self._prefix}/pg/{group_id}",
+            ranks.index(self._rank),
+            len(ranks),
+            timeout_s,
+            backend,
         )
         self._groups[group_id] = group
         self._group_ranks[group_id] = tuple(ranks)
@@ -857,14 +881,14 @@ class BasePolicy:
             raise ValueError(f"init_collective: rank {rank} outside world_size {world_size}")
         timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(ip, port, world_size, rank == 0, timeout=timeout)
+        store = _c10d.TCPStore(ip, port, world_size, rank == 0, timeout=timeout)
         self._join(store, "collective", rank, range(world_size), timeout_s, "init_collective")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         pg: Any
         if backend == "gloo":
-            pg = dist.ProcessGroupGloo(dist.PrefixStore("collective/pg", store), rank, world_size, timeout)
+            pg = _c10d.ProcessGroupGloo(_c10d.PrefixStore("collective/pg", store), rank, world_size, timeout)
         else:  # pragma: no cover - needs GPUs
-            pg = dist.ProcessGroupNCCL(dist.PrefixStore("collective/pg", store), rank, world_size)
+            pg = _c10d.ProcessGroupNCCL(_c10d.PrefixStore("collective/pg", store), rank, world_size)
         self.model_update_group = pg
         self._collective_store = store
 
@@ -1029,10 +1053,8 @@ class BasePolicy:
         self._finished = True
 
     def shutdown(self) -> bool:
-        try:
+        with contextlib.suppress(Exception):
             self.finalize_async_save()
-        except Exception:
-            pass
         if self._profiler is not None:
             self.stop_gpu_profiling()
         self.release_weight_buffers()
@@ -1088,4 +1110,3 @@ class BasePolicy:
 
     def get_offload_state(self) -> dict[str, bool]:
         return dict(self._offloaded)
-

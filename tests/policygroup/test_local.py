@@ -1,0 +1,161 @@
+"""The policy group over local policy objects (one process, no Ray), config checks, BatchedData."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from pg_policies import OBS_DIM, MLPPolicy
+
+from rlfleet.policygroup import (
+    BatchedData,
+    PolicyConfig,
+    PolicyGroup,
+    PolicyRole,
+    TrainConfig,
+    WeightBufferConfig,
+)
+
+STRATEGIES = [("None", "WeightBuffer"), ("Double", "WeightBuffer"), ("Shared", "CPUWeightBuffer")]
+
+
+def local_group(strategy: str, kind: str, n_train: int = 2, n_eval: int = 3) -> PolicyGroup:
+    cfg = PolicyConfig(
+        weight_buffer=WeightBufferConfig(type=kind, buffer_strategy=strategy, bucket_bytes=2048)
+    )
+    train = [MLPPolicy(cfg, role="train", index=i) for i in range(n_train)]
+    evals = [MLPPolicy(cfg, role="eval", index=i) for i in range(n_eval)]
+    group = PolicyGroup(train, evals, cfg)
+    group.init(TrainConfig(lr=1e-2))
+    group.init_placement_info(is_colocated=False)
+    group.init_weight_buffer()
+    group.init_comm_group("gloo")  # no-op for local objects, as the seed
+    return group
+
+
+@pytest.mark.parametrize(("strategy", "kind"), STRATEGIES)
+def test_local_sync_rollout_and_checks(strategy: str, kind: str) -> None:
+    group = local_group(strategy, kind)
+    try:
+        group.train(None, seed=1)
+        assert not group.verify_eval_weight_checksums()
+        group.sync_weights()
+        assert group.verify_eval_weight_checksums()
+        assert group.verify_eval_weight_consistency()
+        assert group.eval_weight_versions() == [1, 1, 1]
+        batch = torch.randn(6, OBS_DIM).tolist()
+        out = group.rollout_batch(BatchedData([f"env-{i}" for i in range(6)], batch))
+        expected = group.train_list[0].model(torch.tensor(batch)).detach()
+        got = torch.tensor([r["logits"] for r in out.values()])
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        assert group.router.in_flight == 0
+        post = group.postprocess(BatchedData(out.ids(), batch), out)
+        assert post.values() == out.values()  # the default postprocess returns the response
+    finally:
+        group.shutdown()
+
+
+def test_shared_strategy_binds_every_eval_to_one_segment() -> None:
+    group = local_group("Shared", "CPUWeightBuffer")
+    try:
+        group.sync_weights()
+        # zero-copy: every eval policy's weights are views of the same shared pages
+        first, *others = [p.model[0].weight for p in group.eval_list]
+        before = float(first[0, 0].detach())
+        with torch.no_grad():
+            first[0, 0] = 123.0
+        assert all(float(w[0, 0]) == 123.0 for w in others)
+        with torch.no_grad():
+            first[0, 0] = before
+        names = [e["shared_weight_buffer"]["name"] for e in group.shared_weight_buffer_map.values()]
+        assert all(os.path.exists(os.path.join("/dev/shm", n)) for n in names)
+    finally:
+        group.shutdown()
+    assert not any(os.path.exists(os.path.join("/dev/shm", n)) for n in names)
+
+
+def test_seed_calls_over_local_objects(tmp_path: object) -> None:
+    group = local_group("Double", "WeightBuffer")
+    try:
+        assert group.update_dataset([[1, 2], [3]]) == [2, 1]
+        info = group.train(None, seed=3)
+        assert set(info) == {"loss"}
+        group.reset_training_state(TrainConfig(lr=1e-3), seed=5)
+        group.offload_eval_model()
+        group.reload_eval_model()
+        group.offload_model_param_and_grad()
+        group.reload_model_param_and_grad()
+        group.offload_model_optimizer()
+        group.print_timing_summary(reset=True)
+        path = os.path.join(str(tmp_path), "ckpt.pt")
+        group.save_checkpoint(path)
+        assert os.path.getsize(path) > 0
+        extra = MLPPolicy(group.config, role="eval", index=3)
+        group.push(extra, PolicyRole.EVAL)
+        assert group.eval_list[-1] is extra
+        assert group.pop(PolicyRole.EVAL) is extra
+        group.send_weights()
+        group.notify_update_weights()
+        assert group.wait_for_eval_weight_update(timeout=5)
+        assert group.verify_eval_weight_checksums()
+    finally:
+        group.shutdown()
+
+
+def test_local_role_conversion_keeps_weights_consistent() -> None:
+    group = local_group("Double", "WeightBuffer", n_train=2, n_eval=2)
+    try:
+        group.train(None, seed=4)
+        group.convert_train_to_eval(1)
+        assert (len(group.train_list), len(group.eval_list)) == (1, 3)
+        assert group.verify_eval_weight_checksums()
+        group.convert_eval_to_train(2)
+        assert (len(group.train_list), len(group.eval_list)) == (3, 1)
+        assert [p.role for p in group.train_list] == [PolicyRole.TRAIN] * 3
+        group.train(None, seed=5)
+        group.sync_weights()
+        assert group.verify_eval_weight_checksums()
+        with pytest.raises(ValueError, match="at least one must stay"):
+            group.convert_eval_to_train(1)
+    finally:
+        group.shutdown()
+
+
+def test_config_combinations_are_checked() -> None:
+    with pytest.raises(ValueError, match="'Shared' needs type 'CPUWeightBuffer'"):
+        WeightBufferConfig(type="WeightBuffer", buffer_strategy="Shared")
+    with pytest.raises(ValueError, match="'Sharded' needs type 'ShardedWeightBuffer'"):
+        WeightBufferConfig(type="CPUWeightBuffer", buffer_strategy="Sharded")
+    with pytest.raises(ValueError, match="buffer_strategy 'Triple' is unknown"):
+        WeightBufferConfig(buffer_strategy="Triple")
+    with pytest.raises(ValueError, match="rollout_mode 'batch' is unknown"):
+        PolicyConfig(rollout_mode="batch")
+    with pytest.raises(ValueError, match="router_type"):
+        PolicyConfig(router_type="random")
+    with pytest.raises(ValueError, match="sync_timeout_s"):
+        PolicyConfig(sync_timeout_s=0)
+    with pytest.raises(ValueError, match="component_distribution"):
+        PolicyGroup([], [MLPPolicy()], PolicyConfig(router_type="node_affinity"))
+    cfg = PolicyConfig(weight_buffer={"type": "CPUWeightBuffer", "buffer_strategy": "Shared"})  # type: ignore[arg-type]
+    assert cfg.weight_buffer.buffer_strategy == "Shared"
+
+
+def test_layout_mismatch_names_the_parameter() -> None:
+    class Wider(MLPPolicy):
+        def build_model(self) -> torch.nn.Module:
+            return torch.nn.Sequential(torch.nn.Linear(OBS_DIM, 33))
+
+    cfg = PolicyConfig()
+    group = PolicyGroup([MLPPolicy(cfg, role="train")], [Wider(cfg)], cfg)
+    group.init_placement_info()
+    with pytest.raises(Exception, match="0.weight"):
+        group.init_weight_buffer()
+
+
+def test_batched_data() -> None:
+    data = BatchedData(["a", "b"], [1, 2])
+    assert (data.ids(), data.values(), len(data)) == (["a", "b"], [1, 2], 2)
+    assert list(data.items()) == [("a", 1), ("b", 2)]
+    with pytest.raises(ValueError, match="2 ids but 1 values"):
+        BatchedData(["a", "b"], [1])
