@@ -149,7 +149,7 @@ def test_layout_mismatch_names_the_parameter() -> None:
     cfg = PolicyConfig()
     group = PolicyGroup([MLPPolicy(cfg, role="train")], [Wider(cfg)], cfg)
     group.init_placement_info()
-    with pytest.raises(Exception, match="0.weight"):
+    with pytest.raises(Exception, match=r"0\.weight"):
         group.init_weight_buffer()
 
 

@@ -8,6 +8,7 @@ and works the same in a local object and in a Ray actor.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import datetime
@@ -203,6 +204,7 @@ class BasePolicy:
         self._save_thread: threading.Thread | None = None
         self._save_error: BaseException | None = None
         self._profiler: Any = None
+        self._profile_exec: concurrent.futures.ThreadPoolExecutor | None = None
         self._profile_dir: str | None = None
         self._ref_model: torch.nn.Module | None = None
         self._offloaded: dict[str, bool] = {"model": False, "optimizer": False, "grad": False}
@@ -947,25 +949,37 @@ class BasePolicy:
         gpu = self._get_gpu_ids()[0] if self.device.type == "cuda" else -1
         return _node_ip(), gpu
 
+    def _profiler_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        # the torch profiler must start and stop on one thread (a Ray actor's calls run on many)
+        if self._profile_exec is None:
+            self._profile_exec = concurrent.futures.ThreadPoolExecutor(1, "rlfleet-profiler")
+        return self._profile_exec
+
     def start_gpu_profiling(self, trace_dir: str | None = None) -> None:
+        """Start the torch profiler (CPU, plus CUDA when on a GPU)."""
         if self._profiler is not None:
             raise RuntimeError("profiling is already running")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profile_dir = trace_dir or tempfile.mkdtemp(prefix="rlfleet-profile-")
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
-        self._profiler.__enter__()
+        prof = torch.profiler.profile(activities=activities, record_shapes=False)
+        self._profiler_thread().submit(prof.__enter__).result(timeout=60)
+        self._profiler = prof
 
     def stop_gpu_profiling(self) -> str | None:
         """Stop the profiler; returns the path of the Chrome trace written (None if not running)."""
         prof, self._profiler = self._profiler, None
         if prof is None:
             return None
-        prof.__exit__(None, None, None)
         assert self._profile_dir is not None
         path = os.path.join(self._profile_dir, f"{self.role.value}{self.index}-{os.getpid()}.json")
-        prof.export_chrome_trace(path)
+
+        def stop() -> None:
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(path)
+
+        self._profiler_thread().submit(stop).result(timeout=120)
         return path
 
     def stand_down_refit_watchdog(self) -> int:
