@@ -93,6 +93,7 @@ def test_bit_exact_to_every_receiver(protocol_run: dict[int, Any]) -> None:
             assert got["ok"], got
             assert got["applied"] == version
             assert got["checksum"] == _expected(version)
+    assert protocol_run[2]["landed"] > 0  # rank 2's large tensors landed in place (TensorTarget)
 
 
 @pytest.mark.timeout(200)

@@ -49,7 +49,9 @@ def layout_of(sd: Mapping[str, torch.Tensor], bucket: int = BUCKET) -> Layout:
 class StagingConsumer:
     """A minimal double-buffered consumer: stage every bucket, copy into place on commit."""
 
-    def __init__(self, layout: Layout, initial: Mapping[str, torch.Tensor], target: bool = False) -> None:
+    def __init__(
+        self, layout: Layout, initial: Mapping[str, torch.Tensor], target: bool = False, tensors: bool = False
+    ) -> None:
         self._layout = layout
         self.weights = {k: v.clone().contiguous() for k, v in initial.items()}
         self._version = -1
@@ -60,6 +62,8 @@ class StagingConsumer:
         self.aborts: list[str] = []
         self.fail_on: int | None = None
         self._target = target
+        self._tensors = tensors
+        self._landed: set[str] = set()
 
     @property
     def layout(self) -> Layout:
@@ -76,6 +80,7 @@ class StagingConsumer:
             raise VersionError(f"version {version} is not newer than {self._version}")
         self._pending = version
         self._seen = set()
+        self._landed = set()
 
     def _region(self, index: int) -> torch.Tensor:
         start = self._starts[index]
@@ -84,12 +89,27 @@ class StagingConsumer:
     def bucket_target(self, index: int) -> torch.Tensor | None:
         return self._region(index) if self._target else None
 
+    def tensor_target(self, name: str) -> torch.Tensor | None:
+        if not self._tensors:
+            return None
+        spec = self._layout[name]
+        self._landed.add(name)
+        return (
+            self._region(spec.bucket)[spec.offset : spec.offset + spec.nbytes]
+            .view(spec.torch_dtype)
+            .view(spec.shape)
+        )
+
     def consume(self, index: int, data: torch.Tensor) -> None:
         if self.fail_on == index:
             raise RuntimeError(f"injected consumer failure at bucket {index}")
         region = self._region(index)
         if data.data_ptr() != region.data_ptr():
-            region.copy_(data[: region.numel()])
+            for spec in self._layout.buckets[index].tensors:
+                if spec.name not in self._landed:  # landed tensors are already in place
+                    region[spec.offset : spec.offset + spec.nbytes].copy_(
+                        data[spec.offset : spec.offset + spec.nbytes]
+                    )
         self._seen.add(index)
 
     def commit(self, version: int) -> None:
@@ -252,7 +272,7 @@ def scenario_protocol(rank: int, world: int, port: int) -> dict[str, Any]:
         steps["broken"] = sender.broken
         return steps
     receiver = BroadcastReceiver(layout, None, 0)
-    consumer = StagingConsumer(layout, base, target=rank == 1)
+    consumer = StagingConsumer(layout, base, target=rank == 1, tensors=rank == 2)
 
     def recv(c: StagingConsumer) -> dict[str, Any]:
         result = outcome(lambda: receiver.receive(c, DEADLINE).version)
@@ -277,6 +297,7 @@ def scenario_protocol(rank: int, world: int, port: int) -> dict[str, Any]:
     steps["upfront"] = recv(consumer)
     steps["v3"] = recv(consumer)
     steps["aborts"] = len(consumer.aborts)
+    steps["landed"] = len(consumer._landed)
     steps["broken"] = receiver.broken
     return steps
 

@@ -56,7 +56,14 @@ from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
 from rlfleet.weightsync._shm import SharedSegment, cleanup_stale_segments, process_alive
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
-from rlfleet.weightsync._wire import BucketTarget, Control, Header, SyncStats, bucket_segments
+from rlfleet.weightsync._wire import (
+    BucketTarget,
+    Control,
+    Header,
+    SyncStats,
+    TensorTarget,
+    bucket_segments,
+)
 
 __all__ = [
     "BroadcastReceiver",
@@ -74,6 +81,7 @@ __all__ = [
     "ShardedBuffer",
     "balanced_ranges",
     "SyncStats",
+    "TensorTarget",
     "TorchWire",
     "bucket_segments",
     "check_in",

@@ -52,7 +52,7 @@ from rlfleet.weightsync._errors import (
     VersionError,
     WeightSyncError,
 )
-from rlfleet.weightsync._layout import Layout
+from rlfleet.weightsync._layout import Layout, TensorSpec
 from rlfleet.weightsync._protocol import BucketConsumer
 
 MAGIC = "rlfleet-weightsync"
@@ -62,8 +62,8 @@ CONTROL_BYTES = 512
 MAX_REASON_CHARS = 300
 #: Tensors at least this large travel as their own segment, straight from their storage.
 DEFAULT_DIRECT_MIN_BYTES = 4 * 1024 * 1024
-#: Ops the sender keeps queued before it waits for the oldest (bounds gloo's work queue).
-MAX_IN_FLIGHT = 8
+#: Buckets the sender keeps on the wire while it packs the next one (the pipeline depth).
+BUCKETS_IN_FLIGHT = 1
 
 
 class Status(IntEnum):
@@ -257,11 +257,26 @@ def wire_nbytes(segments: list[Segment]) -> int:
     return sum(s.nbytes for s in segments)
 
 
-def _crc_segments(buffer: torch.Tensor, segments: list[Segment]) -> int:
+def _crc_regions(regions: list[torch.Tensor]) -> int:
     crc = 0
-    for seg in segments:
-        crc = zlib.crc32(_host_view(buffer[seg.start : seg.end]), crc)
+    for region in regions:
+        crc = zlib.crc32(_host_view(region), crc)
     return crc & 0xFFFFFFFF
+
+
+def _tensor_region(
+    target: torch.Tensor | None, spec: TensorSpec, device: torch.device
+) -> torch.Tensor | None:
+    """`target` as the flat bytes of tensor `spec`, or None if it does not fit exactly."""
+    if (
+        target is None
+        or not target.is_contiguous()
+        or target.dtype != spec.torch_dtype
+        or tuple(target.shape) != spec.shape
+        or target.device != device
+    ):
+        return None
+    return target.detach().reshape(-1).view(torch.uint8)
 
 
 def _host_view(region: torch.Tensor) -> memoryview:
@@ -282,6 +297,22 @@ class BucketTarget(Protocol):
     """
 
     def bucket_target(self, index: int) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
+class TensorTarget(Protocol):
+    """Optional consumer extension: where a large tensor may land directly, skipping a copy.
+
+    ``tensor_target(name)`` returns a contiguous tensor with the layout's dtype and shape (on
+    the transport's device) that the consumer owns and lets the transport overwrite during the
+    pending sync, or None. The transport asks only for tensors it sends as their own segment
+    (at least ``direct_min`` bytes) and writes every target it was given; the bucket it then
+    passes to ``consume`` holds unspecified bytes for those tensors, which the consumer skips.
+    Whether a target may be live storage (the in-place "None" strategy: no copy at all, but a
+    failed sync leaves it torn) or staging (atomic) is the consumer's choice.
+    """
+
+    def tensor_target(self, name: str) -> torch.Tensor | None: ...
 
 
 class Pending(Protocol):
@@ -411,7 +442,30 @@ class ProtocolSender(_Session):
         self.layout = layout
         self.checksums = checksums
         self._segments = [bucket_segments(layout, b.index, direct_min) for b in layout.buckets]
+        #: The tensors inside each segment, per bucket (precomputed: the hot loop only copies).
+        self._members = [
+            [[t for t in b.tensors if t.nbytes and seg.start <= t.offset < seg.end] for seg in segs]
+            for b, segs in zip(layout.buckets, self._segments, strict=True)
+        ]
+        self._view_cache: dict[tuple[int, int], tuple[int, dict[str, torch.Tensor]]] = {}
         self._layout_json: bytes | None = None
+
+    def _views(self, slot: int, k: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of bucket `k`'s tensors inside bucket buffer `slot` (cached per buffer)."""
+        cached = self._view_cache.get((slot, k))
+        if cached is not None and cached[0] == buffer.data_ptr():
+            return cached[1]
+        views = {
+            spec.name: buffer[spec.offset : spec.offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
+            for spec in self.layout.buckets[k].tensors
+            if spec.nbytes
+        }
+        self._view_cache[(slot, k)] = (buffer.data_ptr(), views)
+        return views
+
+    def release_buffers(self) -> None:
+        self._view_cache.clear()
+        super().release_buffers()
 
     def _layout_bytes(self) -> bytes:
         if self._layout_json is None:
@@ -475,13 +529,14 @@ class ProtocolSender(_Session):
 
     def _send_buckets(self, state_dict: Mapping[str, torch.Tensor], deadline: Deadline) -> int:
         wire, layout = self.wire, self.layout
-        in_flight: deque[tuple[Pending, str]] = deque()
+        in_flight: deque[tuple[Pending, str, int]] = deque()
         slot_ops: list[list[Pending]] = [[], []]
         total = 0
 
-        def drain(limit: int) -> None:
-            while len(in_flight) > limit:
-                op, what = in_flight.popleft()
+        def drain(upto: int) -> None:
+            """Wait for every op of buckets up to `upto` (older buckets finish first)."""
+            while in_flight and in_flight[0][2] <= upto:
+                op, what, _ = in_flight.popleft()
                 op.wait(deadline, what)
 
         with torch.no_grad():
@@ -489,6 +544,7 @@ class ProtocolSender(_Session):
                 k = bucket.index
                 slot = k % 2
                 segments = self._segments[k]
+                drain(k - 1 - BUCKETS_IN_FLIGHT)  # bucket k-1 stays on the wire while k is packed
                 try:
                     sources, packed = self._prepare(state_dict, k, segments, slot, slot_ops, deadline)
                     crc = self._crc(sources, segments) if self.checksums else None
@@ -503,18 +559,17 @@ class ProtocolSender(_Session):
                 nbytes = wire_nbytes(segments)
                 control = Control(k, nbytes, crc)
                 in_flight.append(
-                    (wire.broadcast(_bytes_tensor(control.encode(), wire.device)), f"control {k}")
+                    (wire.broadcast(_bytes_tensor(control.encode(), wire.device)), f"control {k}", k)
                 )
                 ops: list[Pending] = []
                 for src in sources:
                     op = wire.broadcast(src)
                     ops.append(op)
-                    in_flight.append((op, f"bucket {k} broadcast"))
+                    in_flight.append((op, f"bucket {k} broadcast", k))
                 if packed:
                     slot_ops[slot] = ops
                 total += nbytes
-                drain(MAX_IN_FLIGHT)
-            drain(0)
+            drain(len(layout.buckets))
         return total
 
     def _prepare(
@@ -529,7 +584,6 @@ class ProtocolSender(_Session):
         """The tensors to broadcast for bucket `k`, packing small runs into bucket buffer `slot`."""
         layout = self.layout
         device = self.wire.device
-        specs = layout.buckets[k].tensors
         sources: list[torch.Tensor] = []
         buffer: torch.Tensor | None = None
         packed = False
@@ -544,24 +598,17 @@ class ProtocolSender(_Session):
                 packed = True
             return buffer
 
-        for seg in segments:
+        for seg, members in zip(segments, self._members[k], strict=True):
             if seg.tensor is not None:
                 tensor = state_dict[seg.tensor].detach()
                 if tensor.is_contiguous() and tensor.device == device:
                     sources.append(tensor.reshape(-1).view(torch.uint8))
                     continue
-                spec = layout[seg.tensor]
-                region = buf()[seg.start : seg.end]
-                region.view(spec.torch_dtype).view(spec.shape).copy_(tensor)
-                sources.append(region)
-                continue
             target = buf()
-            for spec in specs:
-                if seg.start <= spec.offset < seg.end and spec.nbytes:
-                    tensor = state_dict[spec.name].detach()
-                    target[spec.offset : spec.offset + spec.nbytes].view(spec.torch_dtype).view(
-                        spec.shape
-                    ).copy_(tensor)
+            views = self._views(slot, k, target)
+            dsts = [views[spec.name] for spec in members]
+            srcs = [state_dict[spec.name].detach() for spec in members]
+            _copy_all(dsts, srcs)
             sources.append(target[seg.start : seg.end])
         return sources, packed
 
@@ -573,13 +620,13 @@ class ProtocolSender(_Session):
         return crc & 0xFFFFFFFF
 
     def _abort_at(
-        self, k: int, error: BaseException, in_flight: deque[tuple[Pending, str]], deadline: Deadline
+        self, k: int, error: BaseException, in_flight: deque[tuple[Pending, str, int]], deadline: Deadline
     ) -> None:
         """Tell receivers bucket `k` will never come; they stop after this same collective."""
         control = Control(k, 0, None, f"sender failed at bucket {k}: {type(error).__name__}: {error}")
         op = self.wire.broadcast(_bytes_tensor(control.encode(), self.wire.device))
         while in_flight:
-            pending, what = in_flight.popleft()
+            pending, what, _ = in_flight.popleft()
             pending.wait(deadline, what)
         op.wait(deadline, "abort control word")
 
@@ -693,6 +740,7 @@ class ProtocolReceiver(_Session):
             )
         plans = [bucket_segments(layout, b.index, header.direct_min) for b in layout.buckets]
         targets = consumer if isinstance(consumer, BucketTarget) else None
+        landing = consumer if isinstance(consumer, TensorTarget) else None
         failure: WeightSyncError | None = None
         total = 0
         n = len(layout.buckets)
@@ -715,7 +763,7 @@ class ProtocolReceiver(_Session):
                 )
             return control
 
-        def post_data(k: int) -> tuple[torch.Tensor, list[Pending]]:
+        def post_data(k: int) -> tuple[torch.Tensor, list[Pending], list[torch.Tensor]]:
             nbytes = layout.buckets[k].nbytes
             dest: torch.Tensor | None = None
             if targets is not None and failure is None:
@@ -727,10 +775,18 @@ class ProtocolReceiver(_Session):
                     or dest.device != wire.device
                 ):
                     dest = None
+            own = dest is None
             if dest is None:
                 dest = self._buffer(k % 2, layout.max_bucket_nbytes)
-            ops = [wire.broadcast(dest[seg.start : seg.end]) for seg in plans[k]]
-            return dest, ops
+            regions: list[torch.Tensor] = []
+            for seg in plans[k]:
+                region = None
+                if own and seg.tensor is not None and landing is not None and failure is None:
+                    region = _tensor_region(
+                        landing.tensor_target(seg.tensor), layout[seg.tensor], wire.device
+                    )
+                regions.append(dest[seg.start : seg.end] if region is None else region)
+            return dest, [wire.broadcast(r) for r in regions], regions
 
         if n == 0:
             return 0, None
@@ -738,7 +794,7 @@ class ProtocolReceiver(_Session):
         current = post_data(0)
         for k in range(n):
             next_control = post_control() if k + 1 < n else None
-            dest, ops = current
+            dest, ops, regions = current
             for op in ops:
                 op.wait(deadline, f"bucket {k} broadcast")
             total += wire_nbytes(plans[k])
@@ -749,7 +805,7 @@ class ProtocolReceiver(_Session):
             if failure is None:
                 try:
                     if header.checksums:
-                        got = _crc_segments(dest, plans[k])
+                        got = _crc_regions(regions)
                         if control.crc is None or got != control.crc:
                             raise ChecksumMismatchError(
                                 f"bucket {k} of version {header.version}: crc32 {got:#010x}, "
@@ -767,6 +823,21 @@ class ProtocolReceiver(_Session):
             if following is not None:
                 control = following
         return total, failure
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst.copy_(src) for every pair; one fused call when torch has it (2,000 small tensors)."""
+    if not dsts:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None and all(s.device == dsts[0].device for s in srcs):
+        try:
+            foreach(dsts, srcs)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    for dst, src in zip(dsts, srcs, strict=True):
+        dst.copy_(src)
 
 
 def _status_of(error: WeightSyncError) -> Status:
