@@ -3,6 +3,7 @@ sync with rlfleet.weightsync layouts and checks, route with rlfleet.routing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -13,8 +14,6 @@ import torch
 from torch import nn
 
 ray = pytest.importorskip("ray")
-
-import contextlib
 
 from rlfleet.policygroup import (  # noqa: E402
     BasePolicy,
