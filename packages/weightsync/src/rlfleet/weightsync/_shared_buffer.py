@@ -26,7 +26,7 @@ from rlfleet.weightsync._buffers import BufferBase
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import LayoutMismatchError, MetadataError, PeerLostError, WeightSyncError
 from rlfleet.weightsync._layout import Layout
-from rlfleet.weightsync._packing import flat_views, pack_bucket
+from rlfleet.weightsync._packing import flat_views
 from rlfleet.weightsync._shm import PAGE, SharedSegment, page_align, process_alive, process_identity
 
 __all__ = ["SharedBuffer", "SharedBufferReader"]
@@ -142,6 +142,7 @@ class SharedBuffer(BufferBase):
         ]
         self._writing: int | None = None
         self._begin_deadline: Deadline | None = None
+        self._views: dict[int, list[torch.Tensor]] = {}
 
     @property
     def name(self) -> str:
@@ -226,13 +227,23 @@ class SharedBuffer(BufferBase):
         try:
             with self._state_lock:
                 assert self._writing is not None
-                for bucket in self._layout.buckets:
-                    pack_bucket(self._layout, bucket.index, state_dict, self._slot_region(bucket.index))
-                    self._received.add(bucket.index)
+                targets = self._slot_views(self._writing)
+                sources = [state_dict[name].detach() for name in self._layout.names]
+                # One call for every tensor: no per-tensor Python overhead for 1000s of small ones.
+                torch._foreach_copy_(targets, sources)
+                self._received.update(range(len(self._layout.buckets)))
             self.commit(version)
         except BaseException as exc:
             self.abort(exc)
             raise
+
+    def _slot_views(self, slot: int) -> list[torch.Tensor]:
+        """Typed views of every tensor inside a slot, in layout order (built once per slot)."""
+        views = self._views.get(slot)
+        if views is None:
+            views = list(flat_views(self._layout, self._slots[slot]).values())
+            self._views[slot] = views
+        return views
 
     # -- teardown -------------------------------------------------------------------------
     def close(self) -> None:
@@ -241,6 +252,7 @@ class SharedBuffer(BufferBase):
             return
         self._header.set(G_CLOSED, 1)
         self._slots = []
+        self._views = {}
         self._header = _Header(np.zeros(_words(self.num_readers), dtype=np.int64))
         self._segment.close()
         self._segment.unlink()
