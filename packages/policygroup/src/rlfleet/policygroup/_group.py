@@ -125,6 +125,7 @@ class PolicyGroup:
         self._lock = threading.RLock()  # membership, plans and versions (never held while serving)
         self._version = 0
         self._staged_version: int | None = None
+        self._buffers_dirty = False
         self._train_config: Any = None
         self._is_colocated = False
         self._node_of: dict[Hashable, Any] = {}
@@ -542,14 +543,20 @@ class PolicyGroup:
             self.shared_weight_buffer_map = {}
             calls: list[tuple[Policy, dict[str, Any] | None]] = []
             if strategy == "Shared":
+                self._call_all(self.train_list + self.eval_list, "release_weight_buffers")
                 for node, entry in self.placement_info.items():
                     evals = entry["eval_policies"]
                     if not evals:
                         continue
-                    spec = {"name": self._segment_name(node), "node_id": node}
+                    writer = self._shared_writer_of(node)
+                    [name] = self._call_all(
+                        [writer], "create_shared_writer", self._layout, len(evals), f"rlfleet-{self._uid}"
+                    )
+                    spec = {"name": name, "node_id": node}
                     self.shared_weight_buffer_map[node] = {
                         "shared_weight_buffer": spec,
                         "eval_policies": evals,
+                        "writer": writer,
                     }
                     calls += [(p, spec) for p in evals]
             else:
@@ -570,6 +577,16 @@ class PolicyGroup:
             for p, v in zip(self.eval_list, versions[len(self.train_list) :], strict=True):
                 self._router_add(p)
                 self.router.set_version(self._wid(p), int(v))  # what it really serves
+
+    def _shared_writer_of(self, node: Any) -> Policy:
+        """Who fills a node's shared buffer: its trainer, else the eval that receives for the node."""
+        writer = self._plan.writers.get(node)
+        if writer is not None:
+            return writer
+        for c in self._plan.cross:
+            if c.node == node:
+                return c.receivers[0]
+        raise PolicyGroupError(f"no trainer or cross-node receiver fills the shared buffer of node {node!r}")
 
     def init_comm_group(self, backend: str = "nccl", is_colocated: bool = False) -> None:
         """Create the world group, intra-node groups, one group per cross-node transfer item and
@@ -665,6 +682,7 @@ class PolicyGroup:
             for entry in self.shared_weight_buffer_map.values():
                 entry["eval_policies"] = [p for p in entry["eval_policies"] if p is not policy]
             self._replan()
+            self._buffers_dirty = self.config.weight_buffer.buffer_strategy == "Shared"
 
     def _replan(self) -> None:
         if not self.placement_info:
@@ -698,6 +716,9 @@ class PolicyGroup:
         if not self.eval_list:
             return
         self._ensure_transfer_groups()
+        if self._buffers_dirty:
+            self._buffers_dirty = False
+            self.init_weight_buffer()  # a node's shared-buffer writer may have changed
         strategy = self.weight_buffer_strategy
         bucket_bytes = self.config.weight_buffer.bucket_bytes
         timeout = self.config.sync_timeout_s
@@ -706,7 +727,10 @@ class PolicyGroup:
         calls: list[tuple[Policy, Any]] = []
         fills: dict[Any, Any] = {}
         for node, writer in self._plan.writers.items():
-            ref = self._invoke(writer, "write_segment", self._segment_name(node), version, bucket_bytes)
+            if strategy == "Shared":
+                ref = self._invoke(writer, "publish_shared", version, timeout)
+            else:
+                ref = self._invoke(writer, "write_segment", self._segment_name(node), version, bucket_bytes)
             calls.append((writer, ref))
             fills[node] = ref
         for c in self._plan.cross:
@@ -717,8 +741,7 @@ class PolicyGroup:
                 )
             )
             for r in c.receivers:
-                shared_name = self._segment_name(c.node) if strategy == "Shared" else None
-                ref = self._invoke(r, "recv_broadcast", c.group_id, c.src_rank, version, timeout, shared_name)
+                ref = self._invoke(r, "recv_broadcast", c.group_id, c.src_rank, version, timeout)
                 calls.append((r, ref))
                 if strategy == "Shared":
                     fills[c.node] = ref
@@ -727,10 +750,11 @@ class PolicyGroup:
             if dep is None:
                 raise PolicyGroupError(f"send_weights: nothing fills the weight segment of node {node!r}")
             dep_arg = dep if isinstance(dep, ray.ObjectRef) else None
+            name = self._segment_name(node)
+            if strategy == "Shared":
+                name = self.shared_weight_buffer_map[node]["shared_weight_buffer"]["name"]
             for r in readers:
-                calls.append(
-                    (r, self._invoke(r, "stage_from_segment", self._segment_name(node), version, dep_arg))
-                )
+                calls.append((r, self._invoke(r, "stage_from_segment", name, version, dep_arg)))
         results = self._gather(calls, timeout, f"send_weights v{version}")
         failed = [(p, err) for (p, _), (_, err) in zip(calls, results, strict=True) if err is not None]
         if not failed:

@@ -37,10 +37,14 @@ from rlfleet.policygroup._transport import (
     unlink_segment,
 )
 from rlfleet.weightsync import (
+    Deadline,
     Layout,
     LayoutMismatchError,
+    SharedBuffer,
+    SharedBufferReader,
     SyncTimeoutError,
     VersionError,
+    bucket_starts,
     checksum,
     fingerprint,
     stand_down_armed_watchdogs,
@@ -196,6 +200,9 @@ class BasePolicy:
         self._created_segments: set[str] = set()
         self._send_flat: torch.Tensor | None = None
         self._send_lock = threading.Lock()  # concurrent sends of one version pack once
+        self._shared_writer: SharedBuffer | None = None  # this process fills its node's shared buffer
+        self._shared_reader: SharedBufferReader | None = None  # zero-copy views of the node's buffer
+        self._recv_flat: torch.Tensor | None = None
         self._packed_version: int | None = None
         self._update_done = threading.Event()
         self._update_done.set()
@@ -479,15 +486,25 @@ class BasePolicy:
                 bind_module(self.model, mine, self._slots[0])
             self._active = 0
         self._shared_name = None if shared_weight_buffer is None else str(shared_weight_buffer["name"])
+        if strategy == "Shared":
+            if self._shared_name is None:
+                raise ValueError("strategy 'Shared' needs shared_weight_buffer={'name': ...}")
+            reader = SharedBufferReader.attach(
+                self._shared_name, expected_layout=mine, timeout_s=self.config.group_timeout_s
+            )
+            reader.bind_module(self.model)  # takes effect at the first refresh (the first swap)
+            self._shared_reader = reader
 
     def _unbind_weights(self) -> None:
         """Give the model private storage again (before a role change or a buffer rebuild)."""
-        if self._layout is None or (self._active < 0 and not self._segments):
-            return
-        state = {k: v.clone() for k, v in state_of(self.model).items()}
-        fresh = torch.empty(self._layout.padded_bytes, dtype=torch.uint8)
-        pack_into(self._layout, state, fresh)
-        bind_module(self.model, self._layout, fresh)
+        reader, self._shared_reader = self._shared_reader, None
+        if self._layout is not None and (self._active >= 0 or self._segments or reader is not None):
+            state = state_of(self.model)
+            fresh = torch.empty(self._layout.padded_bytes, dtype=torch.uint8)
+            pack_into(self._layout, state, fresh)  # copy out before the shared mapping goes away
+            bind_module(self.model, self._layout, fresh)
+        if reader is not None:
+            reader.close()
         self._slots = []
         self._active = -1
 
@@ -495,6 +512,10 @@ class BasePolicy:
         """Drop mapped segments and unlink those this worker created; returns how many unlinked."""
         self._unbind_weights()
         self._segments.clear()
+        writer, self._shared_writer = self._shared_writer, None
+        if writer is not None:
+            writer.close()  # unlinks; bound readers keep their views until they rebind
+        self._recv_flat = None
         removed = sum(1 for name in list(self._created_segments) if unlink_segment(name))
         self._created_segments.clear()
         self._layout = None if self.role == PolicyRole.TRAIN else self._layout
@@ -542,6 +563,28 @@ class BasePolicy:
         self._slot_of(seg, layout, version % 2).copy_(flat)
         return layout.digest
 
+    def create_shared_writer(
+        self, layout: Mapping[str, Any], num_readers: int, prefix: str = "rlfleet"
+    ) -> str:
+        """Become the writer of this node's shared buffer (two slots); returns its name for the readers."""
+        if self._shared_writer is not None:
+            self._shared_writer.close()
+        self._shared_writer = SharedBuffer(
+            Layout.from_dict(layout), num_readers, timeout_s=self.config.sync_timeout_s, prefix=prefix
+        )
+        return self._shared_writer.name
+
+    def _writer(self) -> SharedBuffer:
+        if self._shared_writer is None:
+            raise RuntimeError(f"{self.role.value} policy {self.index}: not the writer of a shared buffer")
+        return self._shared_writer
+
+    def publish_shared(self, version: int, timeout_s: float) -> int:
+        """Trainer on the node: write this version once into the node's shared buffer."""
+        with self._send_lock:
+            self._writer().publish(state_of(self.model), version, Deadline(timeout_s))
+        return version
+
     def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float) -> int:
         """Broadcast this trainer's weights in weight-transfer group `group_id` (we are the root)."""
         group = self._group(group_id)
@@ -570,12 +613,10 @@ class BasePolicy:
             raise VersionError(
                 f"{self.role.value} policy {self.index}: got v{version}, already at v{self._version}"
             )
-        if self._strategy == "Shared":
-            name = shared_name or self._shared_name
-            if name is None:
-                raise RuntimeError("Shared strategy needs the node's segment name")
-            seg = self._segment(name, layout, create=True)
-            return self._slot_of(seg, layout, version % 2), ("segment", name, version)
+        if self._strategy == "Shared":  # the node's receiver: a scratch buffer, then the node's writer
+            if self._recv_flat is None or self._recv_flat.numel() < layout.padded_bytes:
+                self._recv_flat = torch.empty(layout.padded_bytes, dtype=torch.uint8)
+            return self._recv_flat, ("shared", shared_name, version)
         if self._strategy == "None":
             return self._slots[self._active], ("applied", self._active, version)
         inactive = 1 - self._active
@@ -585,9 +626,14 @@ class BasePolicy:
         """Take version `version` from the node segment `name` (written by a local trainer)."""
         layout = self._require_layout()
         self._update_done.clear()
-        if self._strategy == "Shared":
-            self._segment(name, layout, create=False)
-            self._staged = ("segment", name, version)
+        if self._strategy == "Shared":  # nothing to copy: wait until the node's writer committed it
+            reader = self._shared_reader
+            if reader is None:
+                raise RuntimeError(f"{self.role.value} policy {self.index}: no shared buffer attached")
+            Deadline(self.config.sync_timeout_s).poll(
+                lambda: reader.latest_version() >= version, f"shared buffer {reader.name}: v{version}"
+            )
+            self._staged = ("shared", name, version)
             return version
         target, staged = self._receive_target(version, None)
         src = self._slot_of(self._segment(name, layout, create=False), layout, version % 2)
@@ -613,6 +659,16 @@ class BasePolicy:
                 self._serve.release_write()
             return version
         broadcast_flat(target, layout, root, group, timeout_s, f"receive of v{version} in {group_id}")
+        if staged[0] == "shared":
+            writer = self._writer()
+            writer.begin(version)
+            try:
+                for bucket, start in zip(layout.buckets, bucket_starts(layout), strict=True):
+                    writer.consume(bucket.index, target[start : start + bucket.nbytes])
+                writer.commit(version)
+            except BaseException as exc:
+                writer.abort(exc)
+                raise
         self._staged = staged
         return version
 
@@ -657,9 +713,9 @@ class BasePolicy:
             if kind == "slot":
                 bind_module(self.model, layout, self._slots[where])
                 self._active = where
-            elif kind == "segment":
-                seg = self._segment(where, layout, create=False)
-                bind_module(self.model, layout, self._slot_of(seg, layout, staged_version % 2))
+            elif kind == "shared":
+                assert self._shared_reader is not None
+                self._shared_reader.refresh(Deadline(self.config.drain_timeout_s))
             self._version = staged_version
             self._staged = None
         finally:
