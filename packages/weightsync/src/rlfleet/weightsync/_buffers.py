@@ -32,7 +32,7 @@ import torch
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import IncompleteSyncError, MetadataError, VersionError, WeightSyncError
 from rlfleet.weightsync._layout import DEFAULT_BUCKET_BYTES, Layout
-from rlfleet.weightsync._packing import bucket_starts, unpack_bucket_into
+from rlfleet.weightsync._packing import bucket_starts, flat_views, unpack_bucket_into
 
 __all__ = ["BufferBase", "DirectBuffer", "DoubleBuffer", "ServingLock", "live_tensors"]
 
@@ -299,11 +299,10 @@ class DirectBuffer(_ServingMixin, BufferBase):
     def _publish(self, version: int) -> None:
         staging = self._staging
         if staging is not None:
-            with self.serving_lock.exclusive(self.commit_timeout_s):
-                for bucket, start in zip(self._layout.buckets, self._starts, strict=True):
-                    unpack_bucket_into(
-                        self._layout, bucket.index, staging[start : start + bucket.nbytes], self.live
-                    )
+            views = flat_views(self._layout, staging)
+            names = list(views)
+            with self.serving_lock.exclusive(self.commit_timeout_s), torch.no_grad():
+                torch._foreach_copy_([self.live[n] for n in names], [views[n] for n in names])
         self._staging = None
         self.torn = False
 
@@ -365,8 +364,8 @@ class DoubleBuffer(_ServingMixin, BufferBase):
     def _publish(self, version: int) -> None:
         with self.serving_lock.exclusive(self.commit_timeout_s), torch.no_grad():
             if self.mode == "copy":
-                for name, tensor in self.live.items():
-                    tensor.copy_(self.staging[name])
+                names = list(self.live)
+                torch._foreach_copy_([self.live[n] for n in names], [self.staging[n] for n in names])
                 return
             for name, tensor in self.live.items():
                 previous = tensor.data

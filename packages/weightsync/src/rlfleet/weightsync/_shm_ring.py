@@ -193,11 +193,16 @@ class ShmRingSender:
         return self._session
 
     # -- sending --------------------------------------------------------------------------
-    def _check_readers(self, members: set[int], what: str) -> None:
-        """PeerLostError for a dead member, or drop it when allowed."""
+    def _check_readers(self, members: set[int], what: str, session: int) -> None:
+        """PeerLostError for a dead member, or drop it when allowed.
+
+        A member that already finished this session (committed or failed) may leave freely.
+        """
         if not self._liveness.due():
             return
         for i in sorted(members):
+            if self._ring.get(self._ring.reader(i, R_DONE)) == session:
+                continue
             if not self._ring.reader_alive(i):
                 pid = self._ring.get(self._ring.reader(i, R_PID))
                 if not self.drop_dead_readers:
@@ -315,7 +320,7 @@ class ShmRingSender:
 
         backoff = Backoff()
         while (slow := lagging()) is not None:
-            self._check_readers(members, f"slot {j} waited for its ack")
+            self._check_readers(members, f"slot {j} waited for its ack", session)
             if deadline.expired:
                 raise deadline.error(
                     f"ring {self.name}: waiting for reader {slow} to release slot {j} (session {session})"
@@ -336,7 +341,7 @@ class ShmRingSender:
             if not pending:
                 break
             alive = set(pending)
-            self._check_readers(alive, "the version was committing")
+            self._check_readers(alive, "the version was committing", session)
             pending &= alive
             if deadline.expired:
                 raise deadline.error(f"ring {self.name}: waiting for reader {min(pending)} to commit")
