@@ -228,7 +228,7 @@ def shared_reader(name: str, commands: Any, queue: Any) -> None:
 
 def create_segment_and_die(queue: Any) -> None:
     """Create a segment and exit without any cleanup (as a SIGKILL or an OOM kill would)."""
-    segment = SharedSegment.create(4096)
+    segment = SharedSegment.create(4096, prefix="rlfleet-test")  # "rlfleet" cleanup covers it
     queue.put(segment.name)
     queue.close()
     queue.join_thread()  # flush the queue's feeder thread before dying

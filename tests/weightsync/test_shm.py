@@ -110,8 +110,10 @@ def test_stale_segments_of_dead_creators_are_cleaned_up() -> None:
     assert proc.exitcode == -signal.SIGKILL
     assert (SHM_DIR / name).exists(), "a killed creator cannot clean up"
     assert not process_alive(proc.pid or 0)
-    with SharedSegment.create(4096) as mine:
+    with SharedSegment.create(4096) as mine, SharedSegment.create(4096, prefix="rlfleetx") as other:
+        assert cleanup_stale_segments(prefix="rlfleet-ipc") == []
         removed = cleanup_stale_segments()
+        assert other.path.exists()
         assert name in removed
         assert mine.name not in removed
         assert mine.path.exists()

@@ -316,7 +316,8 @@ class SharedSegment:
 def cleanup_stale_segments(prefix: str = "rlfleet", directory: Path | str = SHM_DIR) -> list[str]:
     """Unlink segments of ours whose creator process is dead (crashed before cleaning up).
 
-    Returns the names removed. Segments of live creators, and files whose names are not ours,
+    `prefix` selects segments created with that prefix or a ``prefix-...`` one. Returns the
+    names removed. Segments of live creators, and files whose names are not ours,
     are left alone.
     """
     removed: list[str] = []
@@ -326,9 +327,12 @@ def cleanup_stale_segments(prefix: str = "rlfleet", directory: Path | str = SHM_
     except FileNotFoundError:
         return removed
     for entry in entries:
+        match = _NAME_RE.match(entry.name)
         creator = segment_creator(entry.name)
-        if creator is None or not entry.name.startswith(prefix + "_"):
+        if match is None or creator is None:
             continue
+        if match["prefix"] != prefix and not match["prefix"].startswith(prefix + "-"):
+            continue  # "rlfleet" covers "rlfleet-ipc" too, not "rlfleetx"
         pid, start = creator
         if process_alive(pid, start):
             continue
