@@ -38,6 +38,8 @@ from rlfleet.policygroup._transport import (
 )
 from rlfleet.weightsync import (
     Deadline,
+    DirectBuffer,
+    DoubleBuffer,
     Layout,
     LayoutMismatchError,
     SharedBuffer,
@@ -47,6 +49,7 @@ from rlfleet.weightsync import (
     bucket_starts,
     checksum,
     fingerprint,
+    live_tensors,
     stand_down_armed_watchdogs,
 )
 
@@ -193,8 +196,7 @@ class BasePolicy:
         self._version = 0
         self._layout: Layout | None = None
         self._strategy = "None"
-        self._slots: list[torch.Tensor] = []
-        self._active = -1  # private slot the model is bound to (-1: the model's own storage)
+        self._buffer: DirectBuffer | DoubleBuffer | None = None  # "None" / "Double" (rlfleet.weightsync)
         self._staged: tuple[str, Any, int] | None = None  # (kind, where, version)
         self._segments: dict[str, torch.Tensor] = {}
         self._created_segments: set[str] = set()
@@ -476,15 +478,13 @@ class BasePolicy:
         self._layout = mine
         self._strategy = strategy
         self._staged = None
-        self._slots = []
-        self._active = -1
-        if strategy in ("None", "Double"):
-            n = 1 if strategy == "None" else 2
-            self._slots = [torch.empty(mine.padded_bytes, dtype=torch.uint8) for _ in range(n)]
-            pack_into(mine, state_of(self.model), self._slots[0])
-            with torch.no_grad():
-                bind_module(self.model, mine, self._slots[0])
-            self._active = 0
+        timeout = self.config.drain_timeout_s
+        # rlfleet.weightsync buffers: "None" stages a transient copy and applies it at commit,
+        # "Double" keeps a staging copy and swaps storages at commit (no copy on the swap)
+        if strategy == "None":
+            self._buffer = DirectBuffer(live_tensors(self.model), mine, commit_timeout_s=timeout)
+        elif strategy == "Double":
+            self._buffer = DoubleBuffer(live_tensors(self.model), mine, mode="swap", commit_timeout_s=timeout)
         self._shared_name = None if shared_weight_buffer is None else str(shared_weight_buffer["name"])
         if strategy == "Shared":
             if self._shared_name is None:
@@ -496,17 +496,17 @@ class BasePolicy:
             self._shared_reader = reader
 
     def _unbind_weights(self) -> None:
-        """Give the model private storage again (before a role change or a buffer rebuild)."""
+        """Give the model private, writable storage again (role change, buffer rebuild)."""
         reader, self._shared_reader = self._shared_reader, None
-        if self._layout is not None and (self._active >= 0 or self._segments or reader is not None):
-            state = state_of(self.model)
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            buffer.abort(RuntimeError("weight buffer released"))
+        if reader is not None and self._layout is not None:
             fresh = torch.empty(self._layout.padded_bytes, dtype=torch.uint8)
-            pack_into(self._layout, state, fresh)  # copy out before the shared mapping goes away
+            pack_into(self._layout, state_of(self.model), fresh)  # copy out of the read-only mapping
             bind_module(self.model, self._layout, fresh)
         if reader is not None:
             reader.close()
-        self._slots = []
-        self._active = -1
 
     def release_weight_buffers(self) -> int:
         """Drop mapped segments and unlink those this worker created; returns how many unlinked."""
@@ -605,25 +605,51 @@ class BasePolicy:
             )
         return self._layout
 
-    def _receive_target(
-        self, version: int, shared_name: str | None
-    ) -> tuple[torch.Tensor, tuple[str, Any, int]]:
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        if self._recv_flat is None or self._recv_flat.numel() < nbytes:
+            self._recv_flat = torch.empty(nbytes, dtype=torch.uint8)
+        return self._recv_flat[:nbytes]
+
+    def _feed(self, consumer: Any, flat: torch.Tensor, version: int) -> None:
+        """Hand every bucket of an all-buckets buffer to a weightsync BucketConsumer (begin, consume)."""
         layout = self._require_layout()
+        consumer.begin(version)
+        try:
+            for bucket, start in zip(layout.buckets, bucket_starts(layout), strict=True):
+                consumer.consume(bucket.index, flat[start : start + bucket.nbytes])
+        except BaseException as exc:
+            consumer.abort(exc)
+            raise
+
+    def _take(self, flat: torch.Tensor, version: int) -> int:
+        """Stage `flat` as `version`; "None" applies it at once (the group drained us first)."""
         if version <= self._version:
             raise VersionError(
                 f"{self.role.value} policy {self.index}: got v{version}, already at v{self._version}"
             )
-        if self._strategy == "Shared":  # the node's receiver: a scratch buffer, then the node's writer
-            if self._recv_flat is None or self._recv_flat.numel() < layout.padded_bytes:
-                self._recv_flat = torch.empty(layout.padded_bytes, dtype=torch.uint8)
-            return self._recv_flat, ("shared", shared_name, version)
+        if self._strategy == "Shared":  # we receive for the node: fill its shared buffer
+            writer = self._writer()
+            self._feed(writer, flat, version)
+            try:
+                writer.commit(version)
+            except BaseException as exc:
+                writer.abort(exc)
+                raise
+            self._staged = ("shared", None, version)
+            return version
+        buffer = self._buffer
+        if buffer is None:
+            raise RuntimeError(
+                f"{self.role.value} policy {self.index}: init_weight_buffer() has not been called"
+            )
+        self._feed(buffer, flat, version)
+        self._staged = ("buffer", None, version)
         if self._strategy == "None":
-            return self._slots[self._active], ("applied", self._active, version)
-        inactive = 1 - self._active
-        return self._slots[inactive], ("slot", inactive, version)
+            self.apply_staged(version)
+        return version
 
     def stage_from_segment(self, name: str, version: int, *_deps: Any) -> int:
-        """Take version `version` from the node segment `name` (written by a local trainer)."""
+        """Take version `version` from this node's shared memory (written once by a local trainer)."""
         layout = self._require_layout()
         self._update_done.clear()
         if self._strategy == "Shared":  # nothing to copy: wait until the node's writer committed it
@@ -635,42 +661,18 @@ class BasePolicy:
             )
             self._staged = ("shared", name, version)
             return version
-        target, staged = self._receive_target(version, None)
-        src = self._slot_of(self._segment(name, layout, create=False), layout, version % 2)
-        self._write_locked(target, src, staged)
-        return version
+        seg = self._segment(name, layout, create=False)
+        return self._take(self._slot_of(seg, layout, version % 2), version)
 
-    def recv_broadcast(
-        self, group_id: str, src_rank: int, version: int, timeout_s: float, shared_name: str | None = None
-    ) -> int:
-        """Receive version `version` from `src_rank` in group `group_id` into the staging target."""
+    def recv_broadcast(self, group_id: str, src_rank: int, version: int, timeout_s: float) -> int:
+        """Receive version `version` from `src_rank` in weight-transfer group `group_id`, then stage it."""
         layout = self._require_layout()
         self._update_done.clear()
-        target, staged = self._receive_target(version, shared_name)
         group = self._group(group_id)
         root = self._group_ranks[group_id].index(src_rank)
-        if staged[0] == "applied":  # "None": written in place; the group drained us first
-            self._serve.acquire_write(timeout_s)
-            try:
-                broadcast_flat(target, layout, root, group, timeout_s, f"receive of v{version} in {group_id}")
-                self._version = version
-                self._update_done.set()
-            finally:
-                self._serve.release_write()
-            return version
-        broadcast_flat(target, layout, root, group, timeout_s, f"receive of v{version} in {group_id}")
-        if staged[0] == "shared":
-            writer = self._writer()
-            writer.begin(version)
-            try:
-                for bucket, start in zip(layout.buckets, bucket_starts(layout), strict=True):
-                    writer.consume(bucket.index, target[start : start + bucket.nbytes])
-                writer.commit(version)
-            except BaseException as exc:
-                writer.abort(exc)
-                raise
-        self._staged = staged
-        return version
+        flat = self._scratch(layout.padded_bytes)
+        broadcast_flat(flat, layout, root, group, timeout_s, f"receive of v{version} in {group_id}")
+        return self._take(flat, version)
 
     def recv_weights_ipc(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> int:
         """Colocated seed path: load a state dict that came through the object store."""
@@ -682,38 +684,24 @@ class BasePolicy:
             self._serve.release_write()
         return self._version
 
-    def _write_locked(self, target: torch.Tensor, src: torch.Tensor, staged: tuple[str, Any, int]) -> None:
-        if staged[0] == "applied":
-            self._serve.acquire_write(self.config.drain_timeout_s)
-            try:
-                target.copy_(src)
-                self._version = staged[2]
-                self._update_done.set()
-            finally:
-                self._serve.release_write()
-        else:
-            target.copy_(src)
-            self._staged = staged
-
     def apply_staged(self, version: int | None = None, timeout_s: float | None = None) -> int:
-        """Swap the staged version in (rebind views: no copy); returns the version now served."""
+        """Make the staged version live (a storage swap or a rebind: no copy for Double and Shared)."""
         staged = self._staged
         if staged is None:
             self._update_done.set()
             return self._version
-        kind, where, staged_version = staged
+        kind, _, staged_version = staged
         if version is not None and staged_version != version:
             raise VersionError(
                 f"{self.role.value} policy {self.index}: asked to apply v{version}, "
                 f"staged is v{staged_version}"
             )
-        layout = self._require_layout()
         self._serve.acquire_write(self.config.drain_timeout_s if timeout_s is None else timeout_s)
         try:
-            if kind == "slot":
-                bind_module(self.model, layout, self._slots[where])
-                self._active = where
-            elif kind == "shared":
+            if kind == "buffer":
+                assert self._buffer is not None
+                self._buffer.commit(staged_version)
+            else:
                 assert self._shared_reader is not None
                 self._shared_reader.refresh(Deadline(self.config.drain_timeout_s))
             self._version = staged_version
@@ -1143,12 +1131,12 @@ class BasePolicy:
 
     def offload_model(self) -> None:
         """Eval: move the model to host memory (a no-op move on CPU)."""
-        if self.device.type != "cpu" and self._active < 0:
+        if self.device.type != "cpu" and self._shared_reader is None:
             self.model.to("cpu")
         self._offloaded["model"] = True
 
     def reload_model(self) -> None:
-        if self.device.type != "cpu" and self._active < 0:
+        if self.device.type != "cpu" and self._shared_reader is None:
             self.model.to(self.device)
         self._offloaded["model"] = False
 
