@@ -279,8 +279,10 @@ def bench_sync(model_mib: int, reps: int) -> tuple[float, float, float]:
         ours_shared = time_ours(shared)
         log(f"ours Shared: {ours_shared:.3f}s")
 
-        # the seed's path, over the same actors and the same cross-node group
+        # the seed's path, over the same actors and the same cross-node group; release our
+        # buffers first (eval weights go back to private, writable storage)
         [cross] = shared._plan.cross
+        shared.shutdown()
         buffers = {n: ray.remote(SeedSharedBuffer).options(**on(n)).remote() for n in (n0, n1)}
         receiver = cross.receivers[0]
 
@@ -301,7 +303,6 @@ def bench_sync(model_mib: int, reps: int) -> tuple[float, float, float]:
         assert len(set(sums)) == 1
         assert sums[0] == ray.get(trainer.get_weight_checksum.remote(), timeout=600)
         log(f"seed Shared: {seed:.3f}s")
-        shared.shutdown()
         return seed, ours_shared, ours_double
     finally:
         ray.shutdown()
