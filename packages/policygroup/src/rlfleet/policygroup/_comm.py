@@ -94,7 +94,7 @@ def init_world(
         )
         owners.append(_describe(plan, info.rank, names))
     wait_all(refs, owners, margin, "init_distributed_env")
-    create_groups(plan, plan.groups, actors, names, backend, timeout_s)
+    create_groups(plan, plan.groups, actors, names, backend, timeout_s, registered=True)
     return epoch
 
 
@@ -105,18 +105,22 @@ def create_groups(
     names: dict[Hashable, str],
     backend: str,
     timeout_s: float,
+    registered: bool = False,
 ) -> None:
-    """Create `groups` (CommGroup) on their members only, in order, one call per actor."""
+    """Create `groups` (CommGroup) in order, one call per actor.
+
+    `registered`: every rank of the world creates every group (torch.distributed groups, as the
+    seed); otherwise members only (standalone groups, what works after a rank died).
+    """
     per_actor: dict[int, list[dict[str, Any]]] = {}
     for g in groups:
-        for r in g.ranks:
-            per_actor.setdefault(r, []).append(
-                {"ranks": list(g.ranks), "mode": g.mode, "group_id": g.group_id}
-            )
+        spec = {"ranks": list(g.ranks), "mode": g.mode, "group_id": g.group_id}
+        for r in range(plan.world_size) if registered else g.ranks:
+            per_actor.setdefault(r, []).append(spec)
     refs, owners = [], []
     for rank, specs in per_actor.items():
         actor = actors[plan.ranks[rank].actor_id]
-        refs.append(actor.init_comm_groups.remote(specs, backend, timeout_s))
+        refs.append(actor.init_comm_groups.remote(specs, backend, timeout_s, registered))
         owners.append(_describe(plan, rank, names))
     if refs:
         wait_all(refs, owners, timeout_s + 15.0, "create communication groups")

@@ -37,6 +37,8 @@ from rlfleet.policygroup._transport import (
     unlink_segment,
 )
 from rlfleet.weightsync import (
+    BroadcastReceiver,
+    BroadcastSender,
     Deadline,
     DirectBuffer,
     DoubleBuffer,
@@ -50,6 +52,7 @@ from rlfleet.weightsync import (
     checksum,
     fingerprint,
     live_tensors,
+    new_group_bounded,
     stand_down_armed_watchdogs,
 )
 
@@ -143,6 +146,54 @@ def _host_memory() -> tuple[int, int]:
     return total, page * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def _reset_group_sequence() -> None:
+    """Start weightsync's per-member-set group counter afresh for a new world.
+
+    `new_group_bounded` numbers groups per member set for the whole process; ranks that took part
+    in different earlier worlds (e.g. trainers in a colocated world) would disagree on the number
+    and never meet. Each world here has its own store prefix, so restarting the count is safe.
+    """
+    from rlfleet.weightsync import _rendezvous
+
+    counters = getattr(_rendezvous, "_group_seq", None)
+    if isinstance(counters, dict):
+        counters.clear()
+
+
+class _DeferredCommit:
+    """A BucketConsumer that stages through `inner` and leaves its commit to the eval's swap.
+
+    The broadcast protocol commits every receiver at the end of a transfer; a rolling update
+    wants the transfer done everywhere first and each swap later, while that eval is drained.
+    """
+
+    def __init__(self, inner: DirectBuffer | DoubleBuffer) -> None:
+        self.inner = inner
+        self.ready: int | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.inner.layout
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def begin(self, version: int) -> None:
+        self.ready = None
+        self.inner.begin(version)
+
+    def consume(self, index: int, data: torch.Tensor) -> None:
+        self.inner.consume(index, data)
+
+    def commit(self, version: int) -> None:
+        self.ready = version
+
+    def abort(self, error: BaseException) -> None:
+        self.ready = None
+        self.inner.abort(error)
+
+
 class BasePolicy:
     """A train or eval policy worker; subclass it with a model, a rollout step and a train step.
 
@@ -192,6 +243,9 @@ class BasePolicy:
         self._groups_by_mode: dict[str, Any] = {}
         self._group_ranks: dict[str, tuple[int, ...]] = {}
         self._mode_ranks: dict[str, tuple[int, ...]] = {}
+        self._registered: set[str] = set()  # groups torch.distributed knows (made by every rank)
+        self._senders: dict[tuple[str, str], BroadcastSender] = {}
+        self._receivers: dict[tuple[str, str], BroadcastReceiver] = {}
         # weights
         self._version = 0
         self._layout: Layout | None = None
@@ -378,6 +432,9 @@ class BasePolicy:
         finally:
             self._timed("train", start)
 
+    def _registered_groups(self) -> list[Any]:
+        return [self._groups[g] for g in self._registered]
+
     def _ddp_group(self) -> Any:
         return self._groups_by_mode.get(ParallelMode.TRAIN_DATA_PARALLEL.value)
 
@@ -391,7 +448,10 @@ class BasePolicy:
         if not grads or size <= 1:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        work = group.allreduce([flat])
+        if group in self._registered_groups():
+            work = dist.all_reduce(flat, group=group, async_op=True)
+        else:
+            work = group.allreduce([flat])
         if not work.wait(timeout=datetime.timedelta(seconds=self.config.group_timeout_s)):
             raise SyncTimeoutError("gradient all-reduce timed out")
         flat.div_(size)
@@ -588,6 +648,15 @@ class BasePolicy:
     def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float) -> int:
         """Broadcast this trainer's weights in weight-transfer group `group_id` (we are the root)."""
         group = self._group(group_id)
+        if group_id in self._registered:  # weightsync's protocol: negotiated, committed by all or none
+            with self._send_lock:
+                layout = self._sender_layout(bucket_bytes)
+            key = (group_id, layout.digest)
+            sender = self._senders.get(key)
+            if sender is None:
+                sender = self._senders[key] = BroadcastSender(layout, group, self._rank)
+            sender.send(state_of(self.model), version, Deadline(timeout_s))
+            return layout.padded_bytes
         layout, flat = self._packed(version, bucket_bytes)
         root = self._group_ranks[group_id].index(self._rank)
         broadcast_flat(flat, layout, root, group, timeout_s, f"send of v{version} in {group_id}")
@@ -669,10 +738,46 @@ class BasePolicy:
         layout = self._require_layout()
         self._update_done.clear()
         group = self._group(group_id)
+        if group_id in self._registered:
+            return self._receive_protocol(group_id, group, src_rank, version, timeout_s)
         root = self._group_ranks[group_id].index(src_rank)
         flat = self._scratch(layout.padded_bytes)
         broadcast_flat(flat, layout, root, group, timeout_s, f"receive of v{version} in {group_id}")
         return self._take(flat, version)
+
+    def _receive_protocol(
+        self, group_id: str, group: Any, src_rank: int, version: int, timeout_s: float
+    ) -> int:
+        """weightsync's BroadcastReceiver straight into our buffer (no scratch copy)."""
+        layout = self._require_layout()
+        key = (group_id, layout.digest)
+        receiver = self._receivers.get(key)
+        if receiver is None:
+            receiver = self._receivers[key] = BroadcastReceiver(layout, group, src_rank)
+        deadline = Deadline(timeout_s)
+        if self._strategy == "Shared":  # we receive for the node: the node's writer is the consumer
+            stats = receiver.receive(self._writer(), deadline)
+            self._staged = ("shared", None, stats.version)
+        elif self._strategy == "None":  # in place: the group drained us first
+            assert self._buffer is not None
+            self._serve.acquire_write(timeout_s)
+            try:
+                stats = receiver.receive(self._buffer, deadline)
+                self._version = stats.version
+                self._staged = None
+                self._update_done.set()
+            finally:
+                self._serve.release_write()
+        else:
+            assert self._buffer is not None
+            deferred = _DeferredCommit(self._buffer)
+            stats = receiver.receive(deferred, deadline)
+            self._staged = ("buffer", None, stats.version)
+        if stats.version != version:
+            raise VersionError(
+                f"{self.role.value} policy {self.index}: expected v{version}, got v{stats.version}"
+            )
+        return stats.version
 
     def recv_weights_ipc(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> int:
         """Colocated seed path: load a state dict that came through the object store."""
@@ -766,6 +871,9 @@ class BasePolicy:
         self._groups_by_mode.clear()
         self._group_ranks.clear()
         self._mode_ranks.clear()
+        self._registered.clear()
+        self._senders.clear()
+        self._receivers.clear()
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # best effort
                 dist.destroy_process_group()
@@ -811,6 +919,7 @@ class BasePolicy:
             self._store = store
         prefix = f"rlfleet/{epoch}"
         self._join(store, f"{prefix}/world", rank, range(world_size), timeout_s, "init_distributed_env")
+        _reset_group_sequence()
         dist.init_process_group(
             backend,
             store=_c10d.PrefixStore(f"{prefix}/pg", store),
@@ -865,15 +974,39 @@ class BasePolicy:
             self._mode_ranks[mode] = tuple(ranks)
         return True
 
-    def init_comm_groups(self, specs: Sequence[Mapping[str, Any]], backend: str, timeout_s: float) -> int:
-        """Create several groups in the given order (one RPC per actor instead of one per group)."""
+    def init_comm_groups(
+        self, specs: Sequence[Mapping[str, Any]], backend: str, timeout_s: float, registered: bool = False
+    ) -> int:
+        """Create several groups in the given order (one RPC per actor instead of one per group).
+
+        `registered`: every rank of the world calls this with every group, in the same order, and
+        the groups are torch.distributed groups (rlfleet.weightsync's bounded `new_group`), usable
+        by `dist.*` collectives and weightsync's broadcast protocol. Otherwise only members call
+        it and each group is a standalone process group (what still works after a rank died).
+        """
+        if not registered:
+            made = 0
+            for spec in specs:
+                made += bool(
+                    self.init_single_comm_group(
+                        spec["ranks"], spec["mode"], backend, group_id=spec["group_id"], timeout_s=timeout_s
+                    )
+                )
+            return made
         made = 0
         for spec in specs:
-            made += bool(
-                self.init_single_comm_group(
-                    spec["ranks"], spec["mode"], backend, group_id=spec["group_id"], timeout_s=timeout_s
-                )
-            )
+            ranks = [int(r) for r in spec["ranks"]]
+            group = new_group_bounded(ranks, backend=backend, timeout=timeout_s, join_timeout=timeout_s)
+            if self._rank not in ranks:
+                continue
+            group_id, mode = str(spec["group_id"]), str(spec["mode"])
+            self._groups[group_id] = group
+            self._group_ranks[group_id] = tuple(ranks)
+            self._registered.add(group_id)
+            if mode != ParallelMode.WEIGHT_TRANSFER.value or mode not in self._groups_by_mode:
+                self._groups_by_mode[mode] = group
+                self._mode_ranks[mode] = tuple(ranks)
+            made += 1
         return made
 
     def _group(self, group_id: str) -> Any:
@@ -902,7 +1035,8 @@ class BasePolicy:
             group = self._groups_by_mode.get(key)
             if group is None:
                 return
-            work = group.barrier()
+            registered = any(group is g for g in self._registered_groups())
+            work = dist.barrier(group=group, async_op=True) if registered else group.barrier()
         if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
             raise SyncTimeoutError(f"barrier on {key or 'world'} timed out after {timeout_s:.1f}s")
 
