@@ -684,6 +684,8 @@ def _decode_meta(raw: bytes) -> dict[str, Any]:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise MetadataError(f"IPC channel metadata is not valid JSON: {exc}") from None
+    except RecursionError:  # "[[[[..." nested deeper than the decoder's stack
+        raise MetadataError("IPC channel metadata is nested too deeply") from None
     if not isinstance(data, dict):
         raise MetadataError("IPC channel metadata must be a JSON object")
     backend = data.get("backend")

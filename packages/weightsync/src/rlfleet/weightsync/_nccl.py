@@ -43,8 +43,13 @@ def decode_unique_id(text: str | bytes) -> bytes | tuple[int, ...]:
         data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise MetadataError(f"NCCL unique id is not valid JSON: {exc}") from None
+    except RecursionError:  # "[[[[..." nested deeper than the decoder's stack
+        raise MetadataError("NCCL unique id is nested too deeply") from None
     if isinstance(data, dict) and isinstance(data.get("b64"), str):
-        raw = base64.b64decode(data["b64"], validate=True)
+        try:
+            raw = base64.b64decode(data["b64"], validate=True)
+        except ValueError as exc:  # binascii.Error
+            raise MetadataError(f"NCCL unique id is not valid base64: {exc}") from None
         if len(raw) != 128:
             raise MetadataError(f"NCCL unique id must be 128 bytes, got {len(raw)}")
         return raw

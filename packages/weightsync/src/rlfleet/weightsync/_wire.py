@@ -106,6 +106,8 @@ def _decode_fixed(raw: bytes, size: int, what: str) -> dict[str, Any]:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise MetadataError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:  # "[[[[..." nested deeper than the decoder's stack
+        raise MetadataError(f"{what} is nested too deeply") from None
     if not isinstance(data, dict):
         raise MetadataError(f"{what} must be a JSON object, got {type(data).__name__}")
     return data
