@@ -52,6 +52,20 @@ from rlfleet.weightsync._rendezvous import (
     init_process_group_bounded,
     new_group_bounded,
 )
+from rlfleet.weightsync._reshard import (
+    DEFAULT_RESHARD_BUCKET_BYTES,
+    DEFAULT_RESHARD_DIRECT_MIN,
+    NcclP2PWire,
+    P2PWire,
+    PeerGroup,
+    RankProgram,
+    ReshardMessage,
+    ReshardReceiver,
+    ReshardSender,
+    ReshardStats,
+    TorchP2PWire,
+    Transfer,
+)
 from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
 from rlfleet.weightsync._shm import SharedSegment, cleanup_stale_segments, process_alive
@@ -66,6 +80,18 @@ from rlfleet.weightsync._wire import (
 )
 
 __all__ = [
+    "DEFAULT_RESHARD_BUCKET_BYTES",
+    "DEFAULT_RESHARD_DIRECT_MIN",
+    "NcclP2PWire",
+    "P2PWire",
+    "PeerGroup",
+    "RankProgram",
+    "ReshardMessage",
+    "ReshardReceiver",
+    "ReshardSender",
+    "ReshardStats",
+    "TorchP2PWire",
+    "Transfer",
     "BroadcastReceiver",
     "BroadcastSender",
     "BucketTarget",
