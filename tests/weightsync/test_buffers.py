@@ -298,7 +298,7 @@ def test_double_copy_reaches_modules_through_detached_state_dict_aliases() -> No
 
 
 # -- Shared ---------------------------------------------------------------------------------------
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 def test_shared_readers_in_processes_bind_zero_copy_views() -> None:
     readers = 3
     layout = w.layout_of(w.make_state(1), BUCKET)

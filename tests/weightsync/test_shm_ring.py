@@ -152,7 +152,7 @@ def test_corrupted_slot_with_checksums_applies_nothing() -> None:
     assert buffer.pending_version is None
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 def test_sender_killed_mid_send_readers_lose_it_cleanly() -> None:
     readers = 2
     ctx = w.context()

@@ -158,9 +158,9 @@ class Layout:
         """Rebuild a layout sent by a peer; malformed or inconsistent data raises MetadataError."""
         if not isinstance(data, Mapping):
             raise MetadataError(f"layout must be a mapping, got {type(data).__name__}")
-        if data.get("format") != LAYOUT_FORMAT:
+        if type(data.get("format")) is not int or data.get("format") != LAYOUT_FORMAT:  # not True, not 1.0
             raise MetadataError(f"unsupported layout format {data.get('format')!r}; expected {LAYOUT_FORMAT}")
-        if data.get("alignment") != ALIGNMENT:
+        if type(data.get("alignment")) is not int or data.get("alignment") != ALIGNMENT:
             raise MetadataError(f"layout alignment {data.get('alignment')!r} differs from ours ({ALIGNMENT})")
         tensors = data.get("tensors")
         if not isinstance(tensors, list):
