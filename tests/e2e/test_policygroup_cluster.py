@@ -20,6 +20,7 @@ from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
     PolicyConfig,
     PolicyGroup,
+    TrainConfig,
     WeightBufferConfig,
     build_policy_group,
 )
@@ -125,6 +126,12 @@ def test_built_colocated_group_in_a_placement_group(cluster: Any) -> None:
         for t, e in zip(group.train_list, group.eval_list, strict=True):
             assert group.node_of(t) == group.node_of(e)  # eval i shares train i's bundle
         step_and_check(group, 4)
+        group.reset_training_state(TrainConfig(lr=1e-2), seed=3)  # barrier over the train group
+        group.offload_model_param_and_grad()
+        group.reload_model_param_and_grad()
+        group.offload_eval_model()
+        group.reload_eval_model()
+        group.print_timing_summary(reset=True)
         step_and_check(group, 5)
     finally:
         group.shutdown()

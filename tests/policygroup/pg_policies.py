@@ -30,8 +30,8 @@ class MLPPolicy(BasePolicy):
         return make_model()
 
     def rollout_step(self, env_ret: Any) -> dict[str, Any]:
-        obs = torch.as_tensor(env_ret, dtype=torch.float32).reshape(-1, OBS_DIM)
-        logits = self.model(obs)
+        obs = torch.as_tensor(env_ret, dtype=torch.float32).reshape(-1, OBS_DIM).to(self.device)
+        logits = self.model(obs).cpu()
         return {
             "action": int(logits.argmax(-1)[0]),
             "logits": logits[0].tolist(),
@@ -44,8 +44,8 @@ class MLPPolicy(BasePolicy):
     def train_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
         assert self.optimizer is not None
         g = torch.Generator().manual_seed(int(kwargs.get("seed", 0)))
-        x = torch.randn(16, OBS_DIM, generator=g)
-        target = torch.randn(16, ACTIONS, generator=g)
+        x = torch.randn(16, OBS_DIM, generator=g).to(self.device)
+        target = torch.randn(16, ACTIONS, generator=g).to(self.device)
         self.optimizer.zero_grad()
         loss = ((self.model(x) - target) ** 2).mean()
         loss.backward()

@@ -1,0 +1,383 @@
+"""NeMo RL's ``nccl_reshard`` worker calls, as a mixin for `BasePolicy` (gloo on CPU, NCCL on GPU).
+
+Training and generation shard the model differently; instead of broadcasting the whole model
+to every generation rank, each generation rank receives exactly its own shard, point to point,
+from data-parallel replicas striped across the training ranks. The plan is
+``rlfleet.placement.plan_reshard``; the transfer is rlfleet.weightsync's `ReshardSender` /
+`ReshardReceiver` (versioned, atomic, deadline-bounded). This module only wires them into a
+worker, with the seed's names and arguments:
+
+- ``init_nccl_reshard_comm_group(pp_ips, pp_ports, pp_size, my_pp_stage, sub_world_size,
+  my_rank_in_group)``: one group per training pipeline stage, rendezvous at
+  ``pp_ips[s]:pp_ports[s]``; its ranks are the stage's training ranks (ascending, group rank 0
+  hosts the store) followed by every generation rank. A training worker joins its own stage's
+  group; a generation worker joins every stage's group (with the same ``my_rank_in_group``:
+  ``stage size + generation rank``; ``my_pp_stage`` is ignored for it).
+- ``prepare_nccl_reshard_refit_info(train_parallelism, gen_parallelism, train_world_size,
+  gen_world_size)``: plans (every worker computes the same plan from the same parameter specs)
+  and returns a JSON-safe summary.
+- ``nccl_reshard_refit(kv_scales=None, refit_timeout_s=None)``: one version; training workers
+  send ``version = their version + 1`` (or ``version=``), generation workers stage it, commit it
+  under the worker's serving lock on every generation rank or on none, and apply ``kv_scales``.
+
+Hooks a policy overrides: `reshard_param_specs` (the model's full, unsharded parameters and how
+training shards them; the default treats the local model as unsharded, stage "first"),
+`reshard_gen_param_specs` (generation side, when it renames or fuses differently),
+`reshard_rank` (this worker's rank on its side; default ``index``) and `reshard_state_dict`.
+
+To make `BasePolicy` speak these calls: ``class BasePolicy(ReshardWorkerMixin):``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlfleet.placement import Parallelism, ParamSpec, ReshardPlan, plan_reshard
+from rlfleet.policygroup._config import PolicyConfig
+from rlfleet.policygroup._errors import CommGroupError
+from rlfleet.weightsync import (
+    Deadline,
+    DoubleBuffer,
+    LayoutMismatchError,
+    PeerGroup,
+    RankProgram,
+    ReshardReceiver,
+    ReshardSender,
+    ReshardStats,
+    ServingLock,
+    check_in,
+    connect_store,
+    dtype_name,
+)
+
+__all__ = ["ReshardWorkerMixin"]
+
+_c10d: Any = dist  # PrefixStore / ProcessGroup* are not re-exported for mypy
+
+DEFAULT_REFIT_TIMEOUT_S = 120.0
+
+
+class _WorkerServingLock(ServingLock):
+    """The DoubleBuffer's commit takes the worker's own serving lock (rollouts hold it shared)."""
+
+    def __init__(self, worker_lock: Any) -> None:
+        super().__init__()
+        self._worker_lock = worker_lock
+
+    @contextlib.contextmanager
+    def shared(self, deadline: Deadline | float | None = None) -> Iterator[None]:
+        self._worker_lock.acquire_read()
+        try:
+            yield
+        finally:
+            self._worker_lock.release_read()
+
+    @contextlib.contextmanager
+    def exclusive(self, deadline: Deadline | float | None = None) -> Iterator[None]:
+        self._worker_lock.acquire_write(Deadline.coerce(deadline).remaining_or(3600.0))
+        try:
+            yield
+        finally:
+            self._worker_lock.release_write()
+
+
+class _WorkerBuffer(DoubleBuffer):
+    """A DoubleBuffer ("copy" commit, so views bound to flat slots stay valid) whose applied
+    version starts at the worker's, so a stale version is refused even after a re-prepare."""
+
+    def __init__(
+        self, live: Mapping[str, torch.Tensor], layout: Any, version: int, commit_timeout_s: float
+    ) -> None:
+        super().__init__(live, layout, mode="copy", commit_timeout_s=commit_timeout_s)
+        self._version = version
+
+
+@dataclass
+class _ReshardState:
+    """Everything the reshard calls keep in a worker (created on first use: no __init__ needed)."""
+
+    groups: dict[int, Any] = field(default_factory=dict)
+    stores: list[Any] = field(default_factory=list)
+    pp_size: int = 0
+    my_pp_stage: int = -1
+    sub_world_size: int = 0
+    my_rank_in_group: int = -1
+    plan: ReshardPlan | None = None
+    program: RankProgram | None = None
+    sender: ReshardSender | None = None
+    receiver: ReshardReceiver | None = None
+    consumer: _WorkerBuffer | None = None
+    last: ReshardStats | None = None
+    kv_scales: dict[str, float] = field(default_factory=dict)
+
+
+class ReshardWorkerMixin:
+    """The ``nccl_reshard`` calls of NeMo RL's policy worker, for `BasePolicy` to inherit."""
+
+    # Provided by the host class (BasePolicy).
+    model: torch.nn.Module
+    index: int
+    device: torch.device
+    config: PolicyConfig
+    pp_comm_group: Any
+    _version: int
+
+    # -- hooks ------------------------------------------------------------------------------
+    def reshard_param_specs(self) -> Sequence[ParamSpec | Mapping[str, Any]]:
+        """The model's parameters as the training side shards them (full shapes; same on every worker).
+
+        The default reads this worker's model as unsharded and replicated on the first stage;
+        override it for tensor- or pipeline-parallel models.
+        """
+        return [
+            ParamSpec(name, tuple(t.shape), dtype_name(t.dtype))
+            for name, t in self.model.state_dict(keep_vars=True).items()
+        ]
+
+    def reshard_gen_param_specs(self) -> Sequence[ParamSpec | Mapping[str, Any]] | None:
+        """The generation side's parameters when they differ (renamed or fused); None: the same."""
+        return None
+
+    def reshard_rank(self) -> int:
+        """This worker's rank among the training (or generation) workers."""
+        return int(self.index)
+
+    def reshard_state_dict(self) -> Mapping[str, torch.Tensor]:
+        """The local shards a training worker sends, by training parameter name."""
+        return {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    # -- state -------------------------------------------------------------------------------
+    def _reshard_state(self) -> _ReshardState:
+        state: _ReshardState | None = self.__dict__.get("_reshard")
+        if state is None:
+            state = _ReshardState()
+            self.__dict__["_reshard"] = state
+        return state
+
+    def _reshard_side(self) -> str:
+        role = str(getattr(getattr(self, "role", "eval"), "value", getattr(self, "role", "eval")))
+        return "train" if role == "train" else "gen"
+
+    # -- the seed's calls -----------------------------------------------------------------------
+    def init_nccl_reshard_comm_group(
+        self,
+        pp_ips: list[str],
+        pp_ports: list[int],
+        pp_size: int,
+        my_pp_stage: int,
+        sub_world_size: int,
+        my_rank_in_group: int,
+    ) -> None:
+        """Bootstrap this worker's nccl_reshard group(s): one per training pipeline stage.
+
+        A training worker joins ``pp_ips[my_pp_stage]:pp_ports[my_pp_stage]``; a generation
+        worker joins every stage's group. Bounded by ``config.group_timeout_s``: a member that
+        does not show up is named.
+        """
+        if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
+            raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
+        if len(pp_ips) != pp_size or len(pp_ports) != pp_size:
+            raise ValueError(f"need one ip and one port per stage: pp_size={pp_size}, {pp_ips}, {pp_ports}")
+        if not 0 <= my_rank_in_group < sub_world_size:
+            raise ValueError(f"my_rank_in_group {my_rank_in_group} outside sub_world_size {sub_world_size}")
+        train = self._reshard_side() == "train"
+        if train and not 0 <= my_pp_stage < pp_size:
+            raise ValueError(f"my_pp_stage {my_pp_stage} outside 0..{pp_size - 1}")
+        state = self._reshard_state()
+        self.destroy_nccl_reshard_comm_group()
+        timeout_s = self.config.group_timeout_s
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        for stage in [my_pp_stage] if train else list(range(pp_size)):
+            deadline = Deadline(timeout_s)
+            what = f"nccl_reshard group of stage {stage} ({pp_ips[stage]}:{pp_ports[stage]})"
+            try:
+                store = connect_store(
+                    pp_ips[stage], int(pp_ports[stage]), my_rank_in_group, sub_world_size, deadline
+                )
+                check_in(
+                    store,
+                    f"rlfleet/reshard/{stage}/join",
+                    my_rank_in_group,
+                    range(sub_world_size),
+                    deadline,
+                    what,
+                )
+            except Exception as exc:
+                raise CommGroupError(f"{what}: {exc}", tuple(getattr(exc, "missing", ()))) from exc
+            scoped = _c10d.PrefixStore(f"rlfleet/reshard/{stage}/pg", store)
+            timeout = datetime.timedelta(seconds=timeout_s)
+            group: Any
+            if backend == "gloo":
+                group = _c10d.ProcessGroupGloo(scoped, my_rank_in_group, sub_world_size, timeout)
+            else:  # pragma: no cover - needs GPUs
+                group = _c10d.ProcessGroupNCCL(scoped, my_rank_in_group, sub_world_size)
+            state.groups[stage] = group
+            state.stores.append(store)
+        state.pp_size = pp_size
+        state.my_pp_stage = my_pp_stage if train else -1
+        state.sub_world_size = sub_world_size
+        state.my_rank_in_group = my_rank_in_group
+        if train:
+            self.pp_comm_group = state.groups[my_pp_stage]
+
+    def destroy_nccl_reshard_comm_group(self) -> None:
+        """Drop the reshard groups and everything built on them."""
+        state = self._reshard_state()
+        state.groups.clear()
+        state.stores.clear()
+        state.sender = state.receiver = None
+        state.consumer = None
+
+    def prepare_nccl_reshard_refit_info(
+        self,
+        train_parallelism: dict[str, int],
+        gen_parallelism: dict[str, int],
+        train_world_size: int,
+        gen_world_size: int,
+    ) -> dict[str, Any]:
+        """Plan the reshard and get this worker ready to run its part; returns a JSON-safe summary.
+
+        Parallelism dicts take ``tp``/``pp``/``dp`` or Megatron's / NeMo's names
+        (``tensor_model_parallel_size``, ...); ``dp`` follows from the world size if omitted.
+        """
+        state = self._reshard_state()
+        if not state.groups:
+            raise CommGroupError(
+                "prepare_nccl_reshard_refit_info: init_nccl_reshard_comm_group() must come first"
+            )
+        train = Parallelism.coerce(train_parallelism, train_world_size)
+        gen = Parallelism.coerce(gen_parallelism, gen_world_size)
+        if train.pp != state.pp_size:
+            raise ValueError(
+                f"training pp={train.pp}, but the reshard groups were made for pp_size={state.pp_size}"
+            )
+        plan = plan_reshard(self.reshard_param_specs(), train, gen, gen_params=self.reshard_gen_param_specs())
+        side, rank = self._reshard_side(), self.reshard_rank()
+        program = RankProgram.from_dict(plan.rank_program(side, rank))
+        peer_groups = []
+        for stage, group in sorted(state.groups.items()):
+            ranks = plan.train.stage_ranks(stage)
+            if len(ranks) + gen.world_size != state.sub_world_size:
+                raise ValueError(
+                    f"stage {stage}: {len(ranks)} training + {gen.world_size} generation ranks, "
+                    f"but sub_world_size is {state.sub_world_size}"
+                )
+            expected = ranks.index(rank) if side == "train" else len(ranks) + rank
+            if side == "train" and rank not in ranks:
+                raise ValueError(f"training rank {rank} is not on pipeline stage {stage}")
+            if expected != state.my_rank_in_group:
+                raise ValueError(
+                    f"{side} rank {rank} should be rank {expected} of stage {stage}'s group, "
+                    f"joined as {state.my_rank_in_group}"
+                )
+            peer_groups.append(PeerGroup.stage(group, ranks, gen.world_size, key=stage))
+        bucket_bytes = min(self.config.weight_buffer.bucket_bytes, 64 * 1024 * 1024)
+        state.plan, state.program = plan, program
+        state.sender = state.receiver = None
+        state.consumer = None
+        if side == "train":
+            state.sender = ReshardSender(program, peer_groups, bucket_bytes=bucket_bytes)
+        else:
+            state.receiver = ReshardReceiver(program, peer_groups, bucket_bytes=bucket_bytes)
+            state.consumer = self._reshard_consumer(program)
+        summary = plan.summary()
+        return {
+            "digest": plan.digest,
+            "role": side,
+            "rank": rank,
+            "train": plan.train.to_dict(),
+            "gen": plan.gen.to_dict(),
+            "moves": len(plan.moves),
+            "transfers": len(program.transfers),
+            "bytes": program.nbytes,
+            "own_shard_bytes": summary["own_shard_bytes"].get(rank) if side == "gen" else None,
+            "peers": [r for _, r in program.peers()],
+            "tensors": len(program.tensors),
+        }
+
+    def _reshard_consumer(self, program: RankProgram) -> _WorkerBuffer:
+        live = dict(self.model.state_dict(keep_vars=True))
+        mine: dict[str, torch.Tensor] = {}
+        for name, shape, dtype in program.tensors:
+            tensor = live.get(name)
+            if tensor is None:
+                raise LayoutMismatchError(f"generation worker {self.index}: the model has no {name!r}", name)
+            if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
+                raise LayoutMismatchError(
+                    f"generation worker {self.index}: {name!r} is {dtype_name(tensor.dtype)} "
+                    f"{tuple(tensor.shape)}, its planned shard is {dtype} {shape}",
+                    name,
+                )
+            mine[name] = tensor
+        consumer = _WorkerBuffer(mine, program.layout(), int(self._version), self.config.drain_timeout_s)
+        worker_lock = getattr(self, "_serve", None)
+        if worker_lock is not None:
+            consumer.serving_lock = _WorkerServingLock(worker_lock)
+        return consumer
+
+    def nccl_reshard_refit(
+        self,
+        kv_scales: dict[str, float] | None = None,
+        refit_timeout_s: float | None = None,
+        *,
+        version: int | None = None,
+    ) -> None:
+        """Move one version from the training workers to the generation workers.
+
+        Raises a WeightSyncError subclass naming what failed (and nothing is applied anywhere)
+        if any worker fails, a peer dies, or ``refit_timeout_s`` passes.
+        """
+        state = self._reshard_state()
+        deadline = Deadline(DEFAULT_REFIT_TIMEOUT_S if refit_timeout_s is None else refit_timeout_s)
+        if state.sender is not None:
+            v = self._version + 1 if version is None else int(version)
+            extras = {"kv_scales": {str(k): float(x) for k, x in kv_scales.items()}} if kv_scales else {}
+            state.last = state.sender.send(self.reshard_state_dict(), v, deadline, extras)
+            self._version = v
+            return
+        if state.receiver is None or state.consumer is None:
+            raise CommGroupError("nccl_reshard_refit: prepare_nccl_reshard_refit_info() must come first")
+        stats = state.receiver.receive(state.consumer, deadline)
+        state.last = stats
+        self._version = stats.version
+        scales = dict(kv_scales or {})
+        sent = stats.extras.get("kv_scales")
+        if isinstance(sent, dict):
+            scales.update({str(k): float(x) for k, x in sent.items()})
+        if scales:
+            self._apply_kv_scales(scales)
+
+    def _apply_kv_scales(self, scales: Mapping[str, float]) -> None:
+        """Fill matching one-element buffers or parameters (e.g. ``...k_scale``); keep every scale."""
+        state = self._reshard_state()
+        state.kv_scales.update(scales)
+        live = dict(self.model.state_dict(keep_vars=True))
+        with torch.no_grad():
+            for name, value in scales.items():
+                tensor = live.get(name)
+                if tensor is not None and tensor.numel() == 1:
+                    tensor.fill_(value)
+
+    # -- introspection ----------------------------------------------------------------------------
+    @property
+    def reshard_kv_scales(self) -> dict[str, float]:
+        return dict(self._reshard_state().kv_scales)
+
+    def get_reshard_stats(self) -> dict[str, Any] | None:
+        """What the last refit moved on this worker (JSON-safe), or None."""
+        last = self._reshard_state().last
+        if last is None:
+            return None
+        return {
+            "version": last.version,
+            "messages": last.messages,
+            "bytes": last.nbytes,
+            "seconds": last.seconds,
+        }

@@ -1,0 +1,181 @@
+"""Process bodies for the nccl_reshard worker-call tests (plain spawned processes, no Ray)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from rlfleet.placement import Parallelism, ParamSpec, plan_reshard
+from rlfleet.policygroup import BasePolicy, PolicyConfig
+from rlfleet.policygroup._reshard import ReshardWorkerMixin
+
+H, V = 16, 32
+TRAIN = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
+GEN = {"tp": 2}
+
+
+def specs() -> list[ParamSpec]:
+    out = [ParamSpec("embed", (V, H), "bfloat16", tp_dim=0, stage="first")]
+    for i in range(2):
+        out += [
+            ParamSpec(
+                f"l{i}_qkv",
+                (4 * H, H),
+                "bfloat16",
+                tp_dim=0,
+                layer=i,
+                parts=((f"l{i}_q", 2 * H), (f"l{i}_k", H), (f"l{i}_v", H)),
+            ),
+            ParamSpec(f"l{i}_o", (H, 2 * H), "bfloat16", tp_dim=1, layer=i),
+            ParamSpec(f"l{i}_norm", (H,), "float32", layer=i),
+        ]
+    out += [ParamSpec("head", (V, H), "bfloat16", tp_dim=0, stage="last")]
+    return out
+
+
+def pieces(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + version)
+    out = {}
+    for s in specs():
+        for piece, size in s.pieces:
+            shape = list(s.shape)
+            shape[s.concat_dim] = size
+            out[piece] = torch.randn(shape, generator=g).to(getattr(torch, s.dtype))
+    return out
+
+
+def shard(spec: ParamSpec, full: Mapping[str, torch.Tensor], tp: int, tp_rank: int) -> torch.Tensor:
+    dim = spec.concat_dim
+    split = spec.tp_dim is not None and tp > 1
+    return torch.cat([full[p].chunk(tp, dim)[tp_rank] if split else full[p] for p, _ in spec.pieces], dim)
+
+
+class Policy(ReshardWorkerMixin, BasePolicy):
+    """A worker whose model holds exactly its shard of `specs()` (plus a kv-cache scale buffer)."""
+
+    def __init__(self, role: str, index: int) -> None:
+        self.plan = plan_reshard(specs(), Parallelism.coerce(TRAIN, 2), Parallelism.coerce(GEN, 2))
+        self.side = "train" if role == "train" else "gen"
+        self.par = self.plan.train if self.side == "train" else self.plan.gen
+        super().__init__(PolicyConfig(group_timeout_s=30.0), role=role, index=index, device="cpu")
+
+    def build_model(self) -> torch.nn.Module:
+        module = torch.nn.Module()
+        for name, shape, dtype in self.plan.local_params(self.side, self.index):
+            module.register_parameter(
+                name, torch.nn.Parameter(torch.zeros(shape, dtype=getattr(torch, dtype)))
+            )
+        module.register_buffer("k_scale", torch.ones(()))
+        return module
+
+    def reshard_param_specs(self) -> Sequence[ParamSpec]:
+        return specs()
+
+    def reshard_state_dict(self) -> Mapping[str, torch.Tensor]:
+        state = super().reshard_state_dict()
+        return {k: v for k, v in state.items() if k != "k_scale"}
+
+    def expected(self, version: int) -> dict[str, torch.Tensor]:
+        full = pieces(version)
+        by_name = {s.name: s for s in specs()}
+        tp_rank = self.par.coords(self.index)[0]
+        return {
+            name: shard(by_name[name], full, self.par.tp, tp_rank)
+            for name, _, _ in self.plan.local_params(self.side, self.index)
+        }
+
+    def load(self, version: int) -> None:
+        with torch.no_grad():
+            for name, tensor in self.expected(version).items():
+                getattr(self.model, name).copy_(tensor)
+
+    def matches(self, version: int) -> bool:
+        return all(torch.equal(getattr(self.model, n).detach(), t) for n, t in self.expected(version).items())
+
+
+def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    try:
+        return {"ok": True, "value": fn()}
+    except Exception as exc:
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+
+
+def worker(rank: int, ports: Sequence[int], queue: Any) -> None:
+    """World ranks 0, 1: training stages 0 and 1; 2, 3: generation tp ranks 0 and 1."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    try:
+        train = rank < 2
+        policy = Policy("train" if train else "eval", rank if train else rank - 2)
+        ips = ["127.0.0.1", "127.0.0.1"]
+        if train:
+            policy.init_nccl_reshard_comm_group(ips, list(ports), 2, rank, 3, 0)
+        else:
+            policy.init_nccl_reshard_comm_group(ips, list(ports), 2, -1, 3, 1 + policy.index)
+        out["info"] = policy.prepare_nccl_reshard_refit_info(TRAIN, GEN, 2, 2)
+        if train:
+            policy.load(1)
+            out["v1"] = _outcome(lambda: policy.nccl_reshard_refit(kv_scales={"k_scale": 0.25}))
+            policy.load(2)
+            if rank == 1:
+                time.sleep(4.0)  # stalls past the generation workers' deadline
+            out["stall"] = _outcome(lambda: policy.nccl_reshard_refit(refit_timeout_s=6.0))
+        else:
+            out["v1"] = _outcome(lambda: policy.nccl_reshard_refit())
+            out["v1_exact"] = policy.matches(1)
+            out["k_scale"] = float(policy.model.k_scale)
+            out["kv_scales"] = policy.reshard_kv_scales
+            out["version"] = policy.get_weight_version()
+            before = policy.get_weight_checksum()
+            out["stall"] = _outcome(lambda: policy.nccl_reshard_refit(refit_timeout_s=2.0))
+            out["intact"] = policy.get_weight_checksum() == before and policy.matches(1)
+            out["version_after"] = policy.get_weight_version()
+        out["stats"] = policy.get_reshard_stats()
+        queue.put((rank, "ok", out))
+    except BaseException as exc:
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(timeout: float = 120.0) -> dict[int, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    ports = [free_port(), free_port()]
+    procs = [ctx.Process(target=worker, args=(r, ports, queue), daemon=True) for r in range(4)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    end = time.monotonic() + timeout
+    try:
+        while len(results) < 4 and time.monotonic() < end:
+            try:
+                rank, status, value = queue.get(timeout=0.5)
+            except Exception:
+                continue
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, end - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if len(results) < 4:
+        raise AssertionError(f"only ranks {sorted(results)} returned within {timeout}s")
+    return results
