@@ -184,7 +184,7 @@ def test_sender_killed_mid_sync() -> None:
 
 @pytest.mark.timeout(120)
 def test_bounded_group_creation_names_missing_ranks() -> None:
-    results = w.run_ranks(w.scenario_rendezvous, 3, w.free_port(), w.free_port(), timeout=90.0)
+    results = w.run_ranks(w.scenario_rendezvous, 3, w.FreshPort(), w.FreshPort(), timeout=90.0)
     for rank in (0, 1):
         got = results[rank]["no_rank2"]
         assert got["type"] == "RendezvousTimeoutError", got

@@ -175,13 +175,38 @@ def _entry(
     os._exit(0)
 
 
+class FreshPort:
+    """Placeholder in `run_ranks` args: replaced by a free port on every attempt."""
+
+
 def run_ranks(
     fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0, expect_dead: tuple[int, ...] = ()
 ) -> dict[int, Any]:
-    """Run `fn(rank, world, port, *args)` in `world` spawned processes; results by rank."""
+    """Run `fn(rank, world, port, *args)` in `world` spawned processes; results by rank.
+
+    A port picked free can be taken by another process before our rank binds it (the machine
+    runs other suites too): such a run is retried with fresh ports, up to three times.
+    """
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world, args, timeout, expect_dead)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(AssertionError):
+    pass
+
+
+def _run_once(
+    fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: float, expect_dead: tuple[int, ...]
+) -> dict[int, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
+    args = tuple(free_port() if isinstance(a, FreshPort) else a for a in args)
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)
     ]
@@ -190,6 +215,7 @@ def run_ranks(
     results: dict[int, Any] = {}
     end = time.monotonic() + timeout
     expected = world - len(expect_dead)
+    failed: str | None = None
     try:
         while len(results) < expected and time.monotonic() < end:
             try:
@@ -199,14 +225,19 @@ def run_ranks(
                     break
                 continue
             if status != "ok":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
+                failed = f"rank {rank} failed:\n{value}"
+                break
             results[rank] = value
     finally:
         for p in procs:
-            p.join(timeout=max(0.1, end - time.monotonic()))
+            p.join(timeout=0.1 if failed else max(0.1, end - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(5)
+    if failed is not None:
+        if "EADDRINUSE" in failed or "address already in use" in failed.lower():
+            raise _PortTaken(failed)
+        raise AssertionError(failed)
     missing = [r for r in range(world) if r not in results and r not in expect_dead]
     if missing:
         raise AssertionError(f"ranks {missing} returned nothing within {timeout}s")
@@ -334,15 +365,20 @@ def scenario_rendezvous(rank: int, world: int, port: int, port2: int, port3: int
 
     out: dict[str, Any] = {}
     url = "tcp://127.0.0.1:{}"
-    if rank != 2:  # rank 2 never joins the first attempt
+    # Everyone joins first (processes start at different times), so the bounded attempts below
+    # time out only for the rank that is deliberately absent.
+    init_process_group_bounded("gloo", url.format(port3), rank, world, join_timeout=60.0, timeout=30.0)
+    dist.barrier()
+    if rank != 2:  # rank 2 never joins this attempt
         out["no_rank2"] = outcome(
             lambda: init_process_group_bounded("gloo", url.format(port), rank, world, join_timeout=2.0)
         )
-    if rank != 0:  # rank 0 (the store host) never joins the second
+    dist.barrier()
+    if rank != 0:  # rank 0 (the store host) never joins this one
         out["no_rank0"] = outcome(
             lambda: init_process_group_bounded("gloo", url.format(port2), rank, world, join_timeout=2.0)
         )
-    init_process_group_bounded("gloo", url.format(port3), rank, world, join_timeout=30.0, timeout=30.0)
+    dist.barrier()
     if rank != 2:
         out["group_no_rank2"] = outcome(lambda: new_group_bounded([0, 1], join_timeout=2.0))
     # all three call it now; the group of ranks 1 and 2 carries a sync from global rank 1

@@ -89,7 +89,10 @@ class TorchWire:
         if not isinstance(chosen, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(chosen).__name__}")
         self.group: dist.ProcessGroup = chosen
-        self._device = torch.device(device) if device is not None else default_device(self.group)
+        dev = torch.device(device) if device is not None else default_device(self.group)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" means the current device, by index
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self._device = dev
         self._rank = dist.get_rank(self.group)
         if self._rank < 0:
             raise ValueError(f"global rank {dist.get_rank()} is not a member of this process group")
