@@ -160,9 +160,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_STORE_PORT: Any = None  # shared cell: the port rank 0's store actually bound (see `init`)
+
+
 def _entry(
-    fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple[Any, ...]
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    queue: Any,
+    args: tuple[Any, ...],
+    cell: Any = None,
 ) -> None:
+    global _STORE_PORT
+    _STORE_PORT = cell
     torch.set_num_threads(1)
     try:
         result = fn(rank, world, port, *args)
@@ -207,8 +218,10 @@ def _run_once(
     queue = ctx.Queue()
     port = free_port()
     args = tuple(free_port() if isinstance(a, FreshPort) else a for a in args)
+    cell = ctx.Value("i", 0)
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)
+        ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, cell), daemon=True)
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -245,14 +258,34 @@ def _run_once(
 
 
 def init(rank: int, world: int, port: int, timeout: float = 30.0) -> None:
+    """The default gloo group. Under `run_ranks`, rank 0's store binds a port of its own choosing
+    and the others learn it through a shared cell: no window in which a suite running beside
+    this one could take (or join) the port."""
     from datetime import timedelta
 
+    cell = _STORE_PORT
+    if cell is None:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout),
+        )
+        return
+    wait = timedelta(seconds=60)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=wait, wait_for_workers=False)
+        cell.value = store.port
+    else:
+        end = time.monotonic() + 60
+        while cell.value == 0:
+            if time.monotonic() > end:
+                raise TimeoutError("rank 0 never published its store port")
+            time.sleep(0.005)
+        store = dist.TCPStore("127.0.0.1", cell.value, world, is_master=False, timeout=wait)
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout),
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
     )
 
 
