@@ -20,8 +20,20 @@ from rlfleet.policygroup._group import PolicyGroup
 from rlfleet.policygroup._worker import BasePolicy, PolicyRole
 
 
-def ray_topology(nodes: Sequence[str] | None = None, slots_per_node: int = 1, kind: str = "cpu") -> Topology:
-    """A placement Topology of alive Ray nodes (head first), `slots_per_node` devices each."""
+def ray_topology(
+    nodes: Sequence[str] | None = None,
+    slots_per_node: int = 1,
+    kind: str = "cpu",
+    *,
+    local_bandwidth: float = 10e9,
+    network_bandwidth: float = 1.25e9,
+) -> Topology:
+    """A placement Topology of alive Ray nodes (head first), `slots_per_node` devices each.
+
+    Devices of a node meet at a node switch (shared memory: `local_bandwidth` bytes/s, "pcie"
+    links); nodes meet at one "fabric" switch (`network_bandwidth`, "network" links), so
+    rlfleet.placement can cost transfer plans on it.
+    """
     alive = [n for n in ray_nodes() if n.get("Alive")]
     if nodes is None:
         alive.sort(key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeID"]))
@@ -34,11 +46,34 @@ def ray_topology(nodes: Sequence[str] | None = None, slots_per_node: int = 1, ki
         ids = list(nodes)
     if not ids:
         raise PolicyGroupError("no alive Ray node to place policies on")
+    links: list[dict[str, Any]] = []
+    for nid in ids:
+        links += [
+            {
+                "a": f"{nid}/{kind}{k}",
+                "b": f"{nid}/host",
+                "kind": "pcie",
+                "bandwidth": local_bandwidth,
+                "latency": 1e-6,
+            }
+            for k in range(slots_per_node)
+        ]
+        links.append(
+            {
+                "a": f"{nid}/host",
+                "b": "fabric",
+                "kind": "network",
+                "bandwidth": network_bandwidth,
+                "latency": 5e-5,
+            }
+        )
     spec = {
         "nodes": [
             {"id": nid, "devices": [{"id": f"{kind}{k}", "kind": kind} for k in range(slots_per_node)]}
             for nid in ids
-        ]
+        ],
+        "switches": [{"id": "fabric"}] + [{"id": "host", "node": nid} for nid in ids],
+        "links": links,
     }
     return Topology.from_spec(spec)
 

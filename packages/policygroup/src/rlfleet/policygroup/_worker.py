@@ -160,6 +160,26 @@ def _reset_group_sequence() -> None:
         counters.clear()
 
 
+class _Sink:
+    """A BucketConsumer that takes a version it already has and drops the bytes."""
+
+    def __init__(self, layout: Layout, version: int) -> None:
+        self.layout = layout
+        self.version = version - 1
+
+    def begin(self, version: int) -> None:
+        pass
+
+    def consume(self, index: int, data: torch.Tensor) -> None:
+        pass
+
+    def commit(self, version: int) -> None:
+        pass
+
+    def abort(self, error: BaseException) -> None:
+        pass
+
+
 class _DeferredCommit:
     """A BucketConsumer that stages through `inner` and leaves its commit to the eval's swap.
 
@@ -642,7 +662,9 @@ class BasePolicy:
     def publish_shared(self, version: int, timeout_s: float) -> int:
         """Trainer on the node: write this version once into the node's shared buffer."""
         with self._send_lock:
-            self._writer().publish(state_of(self.model), version, Deadline(timeout_s))
+            writer = self._writer()
+            if writer.version < version:  # a retried sync finds it published already
+                writer.publish(state_of(self.model), version, Deadline(timeout_s))
         return version
 
     def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float) -> int:
@@ -690,12 +712,24 @@ class BasePolicy:
             consumer.abort(exc)
             raise
 
+    def _have(self, version: int) -> bool:
+        """True when `version` is already applied here, or already in the node's shared buffer.
+
+        A sync retried for the survivors of a failure resends the same version: whoever already
+        has it takes part (a collective needs everyone) without applying anything twice.
+        """
+        if version <= self._version:
+            return True
+        writer = self._shared_writer
+        return self._strategy == "Shared" and writer is not None and writer.version >= version
+
     def _take(self, flat: torch.Tensor, version: int) -> int:
         """Stage `flat` as `version`; "None" applies it at once (the group drained us first)."""
-        if version <= self._version:
-            raise VersionError(
-                f"{self.role.value} policy {self.index}: got v{version}, already at v{self._version}"
-            )
+        if self._have(version):
+            if self._strategy == "Shared" and version > self._version:
+                self._staged = ("shared", None, version)
+            self._update_done.set()
+            return version
         if self._strategy == "Shared":  # we receive for the node: fill its shared buffer
             writer = self._writer()
             self._feed(writer, flat, version)
@@ -755,6 +789,12 @@ class BasePolicy:
         if receiver is None:
             receiver = self._receivers[key] = BroadcastReceiver(layout, group, src_rank)
         deadline = Deadline(timeout_s)
+        if self._have(version):  # a retry: take part in the collectives, keep what we have
+            receiver.receive(_Sink(layout, version), deadline)
+            if self._strategy == "Shared" and version > self._version:
+                self._staged = ("shared", None, version)
+            self._update_done.set()
+            return version
         if self._strategy == "Shared":  # we receive for the node: the node's writer is the consumer
             stats = receiver.receive(self._writer(), deadline)
             self._staged = ("shared", None, stats.version)
