@@ -13,8 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlfleet.placement import Parallelism, ParamSpec, plan_reshard
-from rlfleet.policygroup import BasePolicy, PolicyConfig
-from rlfleet.policygroup._reshard import ReshardWorkerMixin
+from rlfleet.policygroup import BasePolicy, PolicyConfig, ReshardWorkerMixin
 
 H, V = 16, 32
 TRAIN = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
@@ -152,7 +151,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(timeout: float = 120.0) -> dict[int, Any]:
+def run(timeout: float = 240.0) -> dict[int, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ports = [free_port(), free_port()]

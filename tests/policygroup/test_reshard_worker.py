@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import reshard_worker_procs as procs
 
-from rlfleet.policygroup import BasePolicy
-from rlfleet.policygroup._reshard import ReshardWorkerMixin
+from rlfleet.policygroup import BasePolicy, ReshardWorkerMixin
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +17,7 @@ def results() -> dict[int, Any]:
     return procs.run()
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_prepare_reports_the_plan(results: dict[int, Any]) -> None:
     infos = [results[r]["info"] for r in range(4)]
     assert len({i["digest"] for i in infos}) == 1
@@ -30,7 +29,7 @@ def test_prepare_reports_the_plan(results: dict[int, Any]) -> None:
     assert infos[2]["gen"]["tp"] == 2
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_refit_is_bit_exact_and_carries_kv_scales(results: dict[int, Any]) -> None:
     for r in (0, 1):
         assert results[r]["v1"]["ok"], results[r]["v1"]
@@ -43,7 +42,7 @@ def test_refit_is_bit_exact_and_carries_kv_scales(results: dict[int, Any]) -> No
         assert gen["kv_scales"] == {"k_scale": 0.25}
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_stalled_trainer_times_out_and_old_weights_stay(results: dict[int, Any]) -> None:
     for r in (2, 3):
         gen = results[r]

@@ -19,6 +19,7 @@ from rlfleet.policygroup._errors import (
     WorkerDiedError,
 )
 from rlfleet.policygroup._group import PolicyGroup
+from rlfleet.policygroup._reshard import ReshardWorkerMixin
 from rlfleet.policygroup._submitter import TaskSubmitter, resolve_object
 from rlfleet.policygroup._worker import BasePolicy, ParallelMode, PolicyRole
 
@@ -34,6 +35,7 @@ __all__ = [
     "PolicyGroup",
     "PolicyGroupError",
     "PolicyRole",
+    "ReshardWorkerMixin",
     "TaskSubmitter",
     "TaskTimeoutError",
     "TrainConfig",

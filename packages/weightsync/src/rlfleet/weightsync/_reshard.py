@@ -47,10 +47,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 
 from rlfleet.weightsync._cupy import import_nccl
 from rlfleet.weightsync._deadline import Deadline
@@ -423,6 +424,11 @@ class _Work:
             raise map_dist_error(exc, what) from exc
 
 
+def _is_torch_group(obj: Any) -> bool:
+    """A torch.distributed ProcessGroup, or a backend made directly (``ProcessGroupGloo(store, ...)``)."""
+    return isinstance(obj, (dist.ProcessGroup, _c10d.Backend))
+
+
 def _group_device(group: Any) -> torch.device:
     if isinstance(group, dist.ProcessGroupGloo):
         return torch.device("cpu")
@@ -443,9 +449,9 @@ class TorchP2PWire:
             if not dist.is_initialized():
                 raise RuntimeError("torch.distributed is not initialized and no process group was given")
             group = dist.group.WORLD
-        if not isinstance(group, dist.ProcessGroup):
+        if not _is_torch_group(group):
             raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
-        self.group: dist.ProcessGroup = group
+        self.group: Any = group
         self._device = torch.device(device) if device is not None else _group_device(group)
         self._rank = int(group.rank())
         self._size = int(group.size())
@@ -554,7 +560,7 @@ class PeerGroup:
     """
 
     def __init__(self, wire: P2PWire | dist.ProcessGroup, members: Mapping[Peer, int], key: int = 0) -> None:
-        self.wire: P2PWire = TorchP2PWire(wire) if isinstance(wire, dist.ProcessGroup) else wire
+        self.wire: P2PWire = TorchP2PWire(wire) if _is_torch_group(wire) else cast(P2PWire, wire)
         self.key = int(key)
         self.members: dict[Peer, int] = {}
         ranks: set[int] = set()
@@ -585,7 +591,7 @@ class PeerGroup:
         key: int = 0,
     ) -> PeerGroup:
         """One group of everybody: training rank r is group rank r, generation rank g is T + g."""
-        wire = TorchP2PWire(group) if group is None or isinstance(group, dist.ProcessGroup) else group
+        wire = TorchP2PWire(group) if group is None or _is_torch_group(group) else group
         members: dict[Peer, int] = {(TRAIN, r): r for r in range(train_world_size)}
         members.update({(GEN, g): train_world_size + g for g in range(gen_world_size)})
         return cls(wire, members, key)
