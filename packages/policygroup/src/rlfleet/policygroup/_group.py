@@ -56,6 +56,19 @@ def _is_dead(exc: BaseException | None) -> bool:
     return isinstance(exc, kinds)
 
 
+def _died_itself(policy: Any, exc: BaseException | None) -> bool:
+    """A dead-actor error about `policy` itself, not one a task inherited from a dead dependency.
+
+    A reader's `stage_from_segment` takes its node writer's call as an argument: if the writer
+    died, Ray fails the reader's task with the writer's RayActorError, and the reader is alive.
+    """
+    if not _is_dead(exc):
+        return False
+    dead = getattr(exc, "actor_id", None)
+    mine = getattr(policy, "_actor_id", None)
+    return dead is None or mine is None or dead == mine.hex()
+
+
 def _cause(exc: BaseException) -> BaseException:
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
@@ -724,38 +737,45 @@ class PolicyGroup:
         timeout = self.config.sync_timeout_s
         if strategy == "None":
             self._drain(self.eval_list)
-        calls: list[tuple[Policy, Any]] = []
-        fills: dict[Any, Any] = {}
-        for node, writer in self._plan.writers.items():
-            if strategy == "Shared":
-                ref = self._invoke(writer, "publish_shared", version, timeout)
-            else:
-                ref = self._invoke(writer, "write_segment", self._segment_name(node), version, bucket_bytes)
-            calls.append((writer, ref))
-            fills[node] = ref
-        for c in self._plan.cross:
-            calls.append(
-                (
-                    c.sender,
-                    self._invoke(c.sender, "send_broadcast", c.group_id, version, bucket_bytes, timeout),
-                )
-            )
-            for r in c.receivers:
-                ref = self._invoke(r, "recv_broadcast", c.group_id, c.src_rank, version, timeout)
-                calls.append((r, ref))
+        try:
+            calls: list[tuple[Policy, Any]] = []
+            fills: dict[Any, Any] = {}
+            for node, writer in self._plan.writers.items():
                 if strategy == "Shared":
-                    fills[c.node] = ref
-        for node, readers in self._plan.readers.items():
-            dep = fills.get(node)
-            if dep is None:
-                raise PolicyGroupError(f"send_weights: nothing fills the weight segment of node {node!r}")
-            dep_arg = dep if isinstance(dep, ray.ObjectRef) else None
-            name = self._segment_name(node)
-            if strategy == "Shared":
-                name = self.shared_weight_buffer_map[node]["shared_weight_buffer"]["name"]
-            for r in readers:
-                calls.append((r, self._invoke(r, "stage_from_segment", name, version, dep_arg)))
-        results = self._gather(calls, timeout, f"send_weights v{version}")
+                    ref = self._invoke(writer, "publish_shared", version, timeout)
+                else:
+                    ref = self._invoke(
+                        writer, "write_segment", self._segment_name(node), version, bucket_bytes
+                    )
+                calls.append((writer, ref))
+                fills[node] = ref
+            for c in self._plan.cross:
+                calls.append(
+                    (
+                        c.sender,
+                        self._invoke(c.sender, "send_broadcast", c.group_id, version, bucket_bytes, timeout),
+                    )
+                )
+                for r in c.receivers:
+                    ref = self._invoke(r, "recv_broadcast", c.group_id, c.src_rank, version, timeout)
+                    calls.append((r, ref))
+                    if strategy == "Shared":
+                        fills[c.node] = ref
+            for node, readers in self._plan.readers.items():
+                dep = fills.get(node)
+                if dep is None:
+                    raise PolicyGroupError(f"send_weights: nothing fills the weight segment of node {node!r}")
+                dep_arg = dep if isinstance(dep, ray.ObjectRef) else None
+                name = self._segment_name(node)
+                if strategy == "Shared":
+                    name = self.shared_weight_buffer_map[node]["shared_weight_buffer"]["name"]
+                for r in readers:
+                    calls.append((r, self._invoke(r, "stage_from_segment", name, version, dep_arg)))
+            results = self._gather(calls, timeout, f"send_weights v{version}")
+        except BaseException:
+            if strategy == "None":
+                self._undrain(self.eval_list)
+            raise
         failed = [(p, err) for (p, _), (_, err) in zip(calls, results, strict=True) if err is not None]
         if not failed:
             if strategy == "None":
@@ -767,7 +787,7 @@ class PolicyGroup:
                 raise TrainWorkerDiedError(f"send_weights v{version}: {self._name(p)} died: {err}") from None
         dead_before = len(self.eval_list)
         for p, err in failed:
-            if _is_dead(err) and any(p is e for e in self.eval_list):
+            if _died_itself(p, err) and any(p is e for e in self.eval_list):
                 self._drop_eval(p, f"died during send_weights v{version}")
         if any(is_remote(p) for p in self.eval_list):
             self.check_liveness()
@@ -779,7 +799,8 @@ class PolicyGroup:
                 version,
                 len(self.eval_list),
             )
-            self._send(version, retry=False)
+            # "None" applied in place wherever the first try got through: resend as the next version
+            self._send(version + 1 if strategy == "None" else version, retry=False)
             return
         p, err = failed[0]
         self._raise_for(p, err, f"send_weights v{version}")
@@ -790,11 +811,15 @@ class PolicyGroup:
                 self.router.set_draining(self._wid(p), True)
             except UnknownWorkerError:
                 continue
-        for p in policies:
-            try:
-                self.router.wait_drained(self._wid(p), self.config.drain_timeout_s)
-            except UnknownWorkerError:
-                continue
+        try:
+            for p in policies:
+                try:
+                    self.router.wait_drained(self._wid(p), self.config.drain_timeout_s)
+                except UnknownWorkerError:
+                    continue
+        except BaseException:
+            self._undrain(policies)  # a drain that times out must not leave them unroutable
+            raise
 
     def _undrain(self, policies: Sequence[Policy]) -> None:
         for p in policies:
