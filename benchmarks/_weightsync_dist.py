@@ -148,7 +148,7 @@ class InPlace:
 
 def _consumer(live: Mapping[str, Any], layout: Any, atomic: bool) -> Any:
     try:
-        from rlfleet.weightsync import DirectBuffer  # type: ignore[attr-defined]
+        from rlfleet.weightsync import DirectBuffer
     except ImportError:
         if atomic:
             return None
