@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import stat
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -87,11 +90,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def require_token_auth() -> None:
+    """Keep Ray's token authentication on for the cluster we start, with a private token.
+
+    Ray >= 2.59 turns it on for a local `ray.init()` unless RAY_AUTH_MODE says otherwise; we
+    make that explicit, so it holds whatever Ray's default. Ray writes its default token file with
+    the process umask (often 0644): create it 0600 ourselves, or tighten an existing one.
+    An explicit RAY_AUTH_MODE=disabled, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH is respected.
+    """
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray caches its config at import: refresh it, as ray.init does when it turns auth on
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except (ImportError, AttributeError):  # pragma: no cover - Ray without token auth
+            pass
+    if os.environ["RAY_AUTH_MODE"] != "token" or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    token = Path.home() / ".ray" / "auth_token"
+    token.parent.mkdir(mode=0o700, exist_ok=True)
+    try:
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        if token.stat().st_mode & 0o077:
+            token.chmod(0o600)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
+def local_only_ray() -> dict[str, Any]:
+    """Keep a single-node Ray on this machine: loopback addresses, private IPC sockets.
+
+    Ray (2.5x on Linux) turns `_node_ip_address="127.0.0.1"` into the machine's address, so that
+    other machines could join, and its servers listen there or on every interface. Ray's own
+    switch for a machine-local instance is RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (read at import,
+    hence the constant too). Ray also makes its session and socket directories world-writable
+    (shared by every user of /tmp/ray): root them in a directory only we can enter.
+    Returns the extra `ray.init` arguments.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    private = Path(tempfile.gettempdir()) / f"rlfleet-ray-{os.getuid()}"
+    private.mkdir(mode=0o700, exist_ok=True)
+    st = private.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise SystemExit(f"{private} must be a directory of ours (Ray's sockets live under it)")
+    if st.st_mode & 0o077:
+        private.chmod(0o700)
+    return {"_node_ip_address": "127.0.0.1", "_temp_dir": str(private / "ray")}
+
+
 @contextmanager
 def ray_runtime(args: argparse.Namespace) -> Iterator[list[str]]:
     """Ray for the run: join `--address`, or start a local one (a `Cluster` for `--nodes > 1`).
 
-    A single local node listens on 127.0.0.1 only. Yields the node ids to place on, head first.
+    A single local node listens on loopback only, keeps its IPC sockets private and has Ray's
+    token authentication on.
+    Yields the node ids to place on, head first.
     """
     cluster = None
     stale = Path("/tmp/ray/ray_current_cluster")
@@ -110,11 +171,12 @@ def ray_runtime(args: argparse.Namespace) -> Iterator[list[str]]:
         ray.init(address=cluster.address, log_to_driver=False)
     else:
         stale.unlink(missing_ok=True)
+        require_token_auth()
         ray.init(
             num_cpus=max(2, os.cpu_count() or 2),
             include_dashboard=False,
             log_to_driver=False,
-            _node_ip_address="127.0.0.1",
+            **local_only_ray(),
         )
     try:
         ray.cloudpickle.register_pickle_by_value(cartpole_policy)  # workers need not import examples/
