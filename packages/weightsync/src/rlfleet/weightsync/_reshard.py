@@ -705,6 +705,7 @@ class _Session:
         self._digest_word = _digest_word(self.program.digest)
         self._broken: str | None = None
         self._pool: list[torch.Tensor] = []
+        self._decide = True
 
     @property
     def broken(self) -> str | None:
@@ -759,14 +760,22 @@ class _Session:
     def _negotiate(
         self, code: int, version: int, deadline: Deadline
     ) -> tuple[dict[int, str | None], list[int]]:
-        """Per group: None if it agreed, else why not; plus every code seen."""
+        """Per group: None if it agreed, else why not; plus every code seen.
+
+        Generation ranks also report how many groups they are in (every generation rank is in
+        every group): with one group, everybody sees the same commit statuses and the decision
+        round is skipped (`_decide`).
+        """
         outcome: dict[int, str | None] = {}
         seen: list[int] = []
+        groups_here = len(self.groups) if self.program.role == GEN else 0
+        self._decide = False
         for g in self.groups:
-            codes, versions, digests = self._round(
-                g, (code, version, self._digest_word), deadline, "negotiation"
+            codes, versions, digests, counts = self._round(
+                g, (code, version, self._digest_word, groups_here), deadline, "negotiation"
             )
             seen.extend(codes)
+            self._decide = self._decide or max(counts) > 1
             problems = [f"{g.label(i)} {_word(c)}" for i, c in enumerate(codes) if c]
             if len(set(digests)) > 1:
                 problems.append("members execute different plans (digests differ)")
@@ -781,12 +790,15 @@ class _Session:
     def _commit_rounds(
         self, ok_groups: Iterable[PeerGroup], code: int, vote: int, deadline: Deadline
     ) -> tuple[list[str], bool]:
-        """Status round in every usable group, then the generation ranks' decision round."""
+        """Status round in every usable group; with several groups, then the generation ranks'
+        decision round (a training rank sees only its own group's statuses)."""
         groups = list(ok_groups)
         problems: list[str] = []
         for g in groups:
             (codes,) = self._round(g, (code,), deadline, "commit status")
             problems += [f"{g.label(i)} {_word(c)}" for i, c in enumerate(codes) if c]
+        if not self._decide:
+            return sorted(set(problems)), not problems and vote == 0
         if self.program.role == GEN and problems:
             vote = 1
         commit = True
