@@ -506,3 +506,61 @@ def scenario_all(rank: int, world: int, port: int, spill: str) -> dict[str, Any]
     if mine is not None:  # training rank 1 (world rank 4) dies in the middle of version 2
         results["lost"] = run_case(LOST_CASE, mine, rank, [("v1", 1, ""), ("lost", 2, "train1:kill")])
     return results
+
+
+GPU_CASE = Case("gpu", Par(tp=1), Par(tp=1), fused_train=False, fused_gen=True)
+
+
+def scenario_gpu(rank: int, world: int, port: int, transport: str) -> dict[str, Any]:
+    """Two GPUs: training rank 0 on cuda:0 sends to the generation rank on cuda:1 (train keeps
+    q, k, v apart, generation fuses them), over torch's NCCL group or a cupy communicator."""
+    from datetime import timedelta
+
+    from rlfleet.weightsync import NcclP2PWire, TorchP2PWire
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    train_specs, gen_specs = model(False), model(True)
+    train_progs, gen_progs = programs(train_specs, gen_specs, GPU_CASE.train, GPU_CASE.gen)
+    if transport == "torch":
+        dist.init_process_group(
+            "nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
+        wire: Any = TorchP2PWire(dist.group.WORLD, device)
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+        wire = NcclP2PWire.create(store, rank, world, device, 60.0)
+    group = PeerGroup.world(wire, 1, 1)
+    out: dict[str, Any] = {}
+    for version in (1, 2):
+        if rank == 0:
+            state = {
+                k: v.to(device)
+                for k, v in local_state(
+                    train_specs, full_pieces(train_specs, version), GPU_CASE.train, 0
+                ).items()
+            }
+            sender = out.setdefault(
+                "sender", ReshardSender(train_progs[0], group, bucket_bytes=BUCKET, direct_min=DIRECT_MIN)
+            )
+            out[f"v{version}"] = outcome(lambda s=state, v=version, x=sender: x.send(s, v, DEADLINE).nbytes)
+        else:
+            if "receiver" not in out:
+                out["receiver"] = ReshardReceiver(
+                    gen_progs[0], group, bucket_bytes=BUCKET, direct_min=DIRECT_MIN
+                )
+                out["live"] = {
+                    k: v.to(device)
+                    for k, v in local_state(gen_specs, full_pieces(gen_specs, 0), GPU_CASE.gen, 0).items()
+                }
+                out["consumer"] = DoubleBuffer(out["live"], out["receiver"].program.layout(BUCKET))
+            out[f"v{version}"] = outcome(
+                lambda v=version: out["receiver"].receive(out["consumer"], DEADLINE).version
+            )
+            expected = local_state(gen_specs, full_pieces(gen_specs, version), GPU_CASE.gen, 0)
+            out[f"v{version}"]["exact"] = checksum(out["live"]) == checksum(expected)
+    return {k: v for k, v in out.items() if k.startswith("v")}

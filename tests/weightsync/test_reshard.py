@@ -202,3 +202,17 @@ def test_shards_of_the_test_model_are_what_the_reference_says() -> None:
     assert shards[1]["layers.0.qkv"].shape == (64, 64)
     assert torch.equal(shards[1]["layers.0.qkv"][:32], pieces["layers.0.q"][32:])
     assert checksum(rw.assemble(specs, par, shards)) == checksum(pieces)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["torch", "cupy"])
+def test_reshard_over_nccl_on_two_gpus(transport: str) -> None:
+    if transport == "cupy":
+        pytest.importorskip("cupy")
+    results = w.run_ranks(rw.scenario_gpu, 2, transport, timeout=200.0)
+    assert results[0]["v1"]["ok"], results[0]
+    for step in ("v1", "v2"):
+        assert results[1][step]["ok"], results[1][step]
+        assert results[1][step]["exact"]
