@@ -30,7 +30,12 @@ from rlfleet.policygroup import (  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-STRATEGIES = [("None", "WeightBuffer"), ("Double", "WeightBuffer"), ("Shared", "CPUWeightBuffer")]
+STRATEGIES = [
+    ("None", "WeightBuffer"),
+    ("Double", "WeightBuffer"),
+    ("Shared", "CPUWeightBuffer"),
+    ("Sharded", "ShardedWeightBuffer"),
+]
 PLACES = {
     "train0": "node0",
     "train1": "node1",

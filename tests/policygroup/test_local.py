@@ -158,3 +158,8 @@ def test_batched_data() -> None:
     assert list(data.items()) == [("a", 1), ("b", 2)]
     with pytest.raises(ValueError, match="2 ids but 1 values"):
         BatchedData(["a", "b"], [1])
+
+
+def test_sharded_needs_ray_actors() -> None:
+    with pytest.raises(Exception, match="'Sharded' needs Ray actors"):
+        local_group("Sharded", "ShardedWeightBuffer")

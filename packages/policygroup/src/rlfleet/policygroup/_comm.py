@@ -63,8 +63,9 @@ def init_world(
     names: dict[Hashable, str],
     backend: str,
     timeout_s: float,
+    extra_groups: Sequence[Any] = (),
 ) -> str:
-    """Form the world group and every group of `plan` on the actors; returns the epoch id."""
+    """Form the world group, every group of `plan` and `extra_groups` on the actors; returns the epoch."""
     if not plan.ranks:
         return ""
     epoch = uuid.uuid4().hex[:12]
@@ -94,7 +95,7 @@ def init_world(
         )
         owners.append(_describe(plan, info.rank, names))
     wait_all(refs, owners, margin, "init_distributed_env")
-    create_groups(plan, plan.groups, actors, names, backend, timeout_s, registered=True)
+    create_groups(plan, [*plan.groups, *extra_groups], actors, names, backend, timeout_s, registered=True)
     return epoch
 
 

@@ -139,6 +139,7 @@ class PolicyGroup:
         self._version = 0
         self._staged_version: int | None = None
         self._buffers_dirty = False
+        self._sharded_groups: dict[Any, str] = {}
         self._train_config: Any = None
         self._is_colocated = False
         self._node_of: dict[Hashable, Any] = {}
@@ -543,10 +544,10 @@ class PolicyGroup:
         """Prepare every eval policy to receive weights with the configured strategy."""
         with self._lock:
             strategy = self.config.weight_buffer.buffer_strategy
-            if strategy == "Sharded":
-                raise NotImplementedError(
-                    "buffer_strategy 'Sharded' is not wired into the policy group yet (needs "
-                    "rlfleet.weightsync's sharded buffer); use 'None', 'Double' or 'Shared'"
+            if strategy == "Sharded" and not all(is_remote(p) for p in self.train_list + self.eval_list):
+                raise PolicyGroupError(
+                    "buffer_strategy 'Sharded' needs Ray actors: a node's eval policies gather their "
+                    "shards over a communication group at each swap"
                 )
             self.weight_buffer_strategy = strategy
             if not self.train_list:
@@ -572,6 +573,10 @@ class PolicyGroup:
                         "writer": writer,
                     }
                     calls += [(p, spec) for p in evals]
+            elif strategy == "Sharded":  # eval i of a node keeps share i of every version
+                for entry in self.placement_info.values():
+                    evals = entry["eval_policies"]
+                    calls += [(p, {"rank": i, "world_size": len(evals)}) for i, p in enumerate(evals)]
             else:
                 calls = [(p, None) for p in self.eval_list]
             refs = [
@@ -615,7 +620,8 @@ class PolicyGroup:
             self._comm_backend = backend
             if not self._node_of:
                 self._query_nodes(everyone)
-            members = self.train_list if (is_colocated and not self._plan.cross) else everyone
+            sharded = self.config.weight_buffer.buffer_strategy == "Sharded"
+            members = self.train_list if (is_colocated and not self._plan.cross and not sharded) else everyone
             actors = [
                 (self._wid(p), self._node_of[self._wid(p)], self._gpu_of[self._wid(p)]) for p in members
             ]
@@ -627,7 +633,18 @@ class PolicyGroup:
                 actors, transfer, [self._wid(p) for p in self.train_list], weight_buffer_strategy="Double"
             )
             by_wid = {self._wid(p): p for p in members}
-            _comm.init_world(plan, by_wid, self._names(), backend, self.config.group_timeout_s)
+            rank = {r.actor_id: r.rank for r in plan.ranks}
+            extra: list[CommGroup] = []
+            self._sharded_groups = {}
+            if sharded:  # one group per node's eval policies: they gather their shards at each swap
+                for node, entry in self.placement_info.items():
+                    evals = entry["eval_policies"]
+                    if evals:
+                        gid = f"sharded/{len(extra)}"
+                        ranks = tuple(rank[self._wid(p)] for p in evals)
+                        extra.append(CommGroup(gid, "sharded", ranks, node))
+                        self._sharded_groups[node] = gid
+            _comm.init_world(plan, by_wid, self._names(), backend, self.config.group_timeout_s, extra)
             self._world = plan
             self._rank_of = {r.actor_id: r.rank for r in plan.ranks}
             self._groups_made = {}
@@ -695,7 +712,7 @@ class PolicyGroup:
             for entry in self.shared_weight_buffer_map.values():
                 entry["eval_policies"] = [p for p in entry["eval_policies"] if p is not policy]
             self._replan()
-            self._buffers_dirty = self.config.weight_buffer.buffer_strategy == "Shared"
+            self._buffers_dirty = self.config.weight_buffer.buffer_strategy in ("Shared", "Sharded")
 
     def _replan(self) -> None:
         if not self.placement_info:
@@ -731,7 +748,9 @@ class PolicyGroup:
         self._ensure_transfer_groups()
         if self._buffers_dirty:
             self._buffers_dirty = False
-            self.init_weight_buffer()  # a node's shared-buffer writer may have changed
+            self.init_weight_buffer()  # a node's shared-buffer writer or shard count changed
+            if self.weight_buffer_strategy == "Sharded":  # gather groups must be torch groups: new world
+                self.init_comm_group(self._comm_backend, self._is_colocated)
         strategy = self.weight_buffer_strategy
         bucket_bytes = self.config.weight_buffer.bucket_bytes
         timeout = self.config.sync_timeout_s
@@ -844,6 +863,10 @@ class PolicyGroup:
             if self.weight_buffer_strategy == "None":
                 self._version = version
                 return
+            if self.weight_buffer_strategy == "Sharded":
+                self._apply_by_node(version)
+                self._version = version
+                return
             for p in list(self.eval_list):
                 wid = self._wid(p)
                 try:
@@ -867,6 +890,22 @@ class PolicyGroup:
                     if wid in self.router:
                         self.router.set_draining(wid, False)
             self._version = version
+
+    def _apply_by_node(self, version: int) -> None:
+        """With "Sharded" a node's eval policies gather together, so they swap together, node by node."""
+        for node, gid in self._sharded_groups.items():
+            evals = list(self.placement_info.get(node, {}).get("eval_policies", []))
+            if not evals:
+                continue
+            self._drain(evals)
+            try:
+                calls = [(p, self._invoke(p, "apply_staged", version, None, gid)) for p in evals]
+                results = self._gather(calls, self.config.rpc_timeout_s, f"apply v{version} on node {node}")
+                self._raise_failures(evals, results, f"apply v{version}")
+                for p in evals:
+                    self.router.set_version(self._wid(p), version)
+            finally:
+                self._undrain(evals)
 
     def sync_weights(self) -> None:
         """Send the trainers' weights as the next version and apply it on every eval policy."""

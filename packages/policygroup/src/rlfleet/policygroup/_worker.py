@@ -44,6 +44,7 @@ from rlfleet.weightsync import (
     DoubleBuffer,
     Layout,
     LayoutMismatchError,
+    ShardedBuffer,
     SharedBuffer,
     SharedBufferReader,
     SyncTimeoutError,
@@ -270,7 +271,11 @@ class BasePolicy:
         self._version = 0
         self._layout: Layout | None = None
         self._strategy = "None"
-        self._buffer: DirectBuffer | DoubleBuffer | None = None  # "None" / "Double" (rlfleet.weightsync)
+        self._buffer: DirectBuffer | DoubleBuffer | None = None
+        self._sharded: ShardedBuffer | None = None  # "Sharded": this eval's share of each version
+        self._gathered: torch.Tensor | None = (
+            None  # the whole model, rebuilt by the last gather  # "None" / "Double" (rlfleet.weightsync)
+        )
         self._staged: tuple[str, Any, int] | None = None  # (kind, where, version)
         self._segments: dict[str, torch.Tensor] = {}
         self._created_segments: set[str] = set()
@@ -539,7 +544,7 @@ class BasePolicy:
             strategy = (
                 "Shared" if shared_weight_buffer is not None else self.config.weight_buffer.buffer_strategy
             )
-        if strategy not in ("None", "Double", "Shared"):
+        if strategy not in ("None", "Double", "Shared", "Sharded"):
             raise ValueError(f"weight buffer strategy {strategy!r} is not supported by {type(self).__name__}")
         bucket_bytes = self.config.weight_buffer.bucket_bytes
         mine = Layout.from_state_dict(
@@ -565,6 +570,13 @@ class BasePolicy:
             self._buffer = DirectBuffer(live_tensors(self.model), mine, commit_timeout_s=timeout)
         elif strategy == "Double":
             self._buffer = DoubleBuffer(live_tensors(self.model), mine, mode="swap", commit_timeout_s=timeout)
+        elif strategy == "Sharded":  # keep 1/N of each new version; the node's evals gather at the swap
+            if shared_weight_buffer is None:
+                raise ValueError("strategy 'Sharded' needs shared_weight_buffer={'rank': r, 'world_size': n}")
+            self._sharded = ShardedBuffer(
+                mine, int(shared_weight_buffer["rank"]), int(shared_weight_buffer["world_size"])
+            )
+            return
         self._shared_name = None if shared_weight_buffer is None else str(shared_weight_buffer["name"])
         if strategy == "Shared":
             if self._shared_name is None:
@@ -581,6 +593,12 @@ class BasePolicy:
         buffer, self._buffer = self._buffer, None
         if buffer is not None:
             buffer.abort(RuntimeError("weight buffer released"))
+        if self._gathered is not None and self._layout is not None:  # weights are views of a gather
+            fresh = torch.empty(self._layout.padded_bytes, dtype=torch.uint8)
+            pack_into(self._layout, state_of(self.model), fresh)
+            bind_module(self.model, self._layout, fresh)
+        self._sharded = None
+        self._gathered = None
         if reader is not None and self._layout is not None:
             fresh = torch.empty(self._layout.padded_bytes, dtype=torch.uint8)
             pack_into(self._layout, state_of(self.model), fresh)  # copy out of the read-only mapping
@@ -723,6 +741,13 @@ class BasePolicy:
         writer = self._shared_writer
         return self._strategy == "Shared" and writer is not None and writer.version >= version
 
+    def _sharded_buffer(self) -> ShardedBuffer:
+        if self._sharded is None:
+            raise RuntimeError(
+                f"{self.role.value} policy {self.index}: no sharded buffer (init_weight_buffer)"
+            )
+        return self._sharded
+
     def _take(self, flat: torch.Tensor, version: int) -> int:
         """Stage `flat` as `version`; "None" applies it at once (the group drained us first)."""
         if self._have(version):
@@ -739,6 +764,13 @@ class BasePolicy:
                 writer.abort(exc)
                 raise
             self._staged = ("shared", None, version)
+            return version
+        if self._strategy == "Sharded":  # keep our share, committed: the model still serves its copy
+            sharded = self._sharded_buffer()
+            if sharded.version < version:
+                self._feed(sharded, flat, version)
+                sharded.commit(version)
+            self._staged = ("sharded", None, version)
             return version
         buffer = self._buffer
         if buffer is None:
@@ -795,7 +827,10 @@ class BasePolicy:
                 self._staged = ("shared", None, version)
             self._update_done.set()
             return version
-        if self._strategy == "Shared":  # we receive for the node: the node's writer is the consumer
+        if self._strategy == "Sharded":
+            stats = receiver.receive(self._sharded_buffer(), deadline)  # keeps only our buckets
+            self._staged = ("sharded", None, stats.version)
+        elif self._strategy == "Shared":  # we receive for the node: the node's writer is the consumer
             stats = receiver.receive(self._writer(), deadline)
             self._staged = ("shared", None, stats.version)
         elif self._strategy == "None":  # in place: the group drained us first
@@ -829,7 +864,9 @@ class BasePolicy:
             self._serve.release_write()
         return self._version
 
-    def apply_staged(self, version: int | None = None, timeout_s: float | None = None) -> int:
+    def apply_staged(
+        self, version: int | None = None, timeout_s: float | None = None, group_id: str | None = None
+    ) -> int:
         """Make the staged version live (a storage swap or a rebind: no copy for Double and Shared)."""
         staged = self._staged
         if staged is None:
@@ -846,6 +883,17 @@ class BasePolicy:
             if kind == "buffer":
                 assert self._buffer is not None
                 self._buffer.commit(staged_version)
+            elif kind == "sharded":  # collective: every eval of the node applies at once
+                if group_id is None:
+                    raise RuntimeError("a Sharded swap needs the node's eval group (group_id)")
+                views = self._sharded_buffer().gather(
+                    self._group(group_id), Deadline(self.config.drain_timeout_s), out=self._gather_out()
+                )
+                live = live_tensors(self.model)
+                with torch.no_grad():
+                    for name, view in views.items():
+                        live[name].data = view
+                self._gathered = self._gather_target
             else:
                 assert self._shared_reader is not None
                 self._shared_reader.refresh(Deadline(self.config.drain_timeout_s))
@@ -855,6 +903,12 @@ class BasePolicy:
             self._serve.release_write()
             self._update_done.set()
         return self._version
+
+    def _gather_out(self) -> torch.Tensor:
+        """A fresh buffer for the next gather (the current one still backs the served weights)."""
+        sharded = self._sharded_buffer()
+        self._gather_target = torch.empty(sharded.shard_bytes * sharded.world_size, dtype=torch.uint8)
+        return self._gather_target
 
     def notify_update_weights(self) -> int:
         """Seed call: new weights are staged; apply them now (the group drains us first)."""
