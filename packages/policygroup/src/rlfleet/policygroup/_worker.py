@@ -271,11 +271,10 @@ class BasePolicy:
         self._version = 0
         self._layout: Layout | None = None
         self._strategy = "None"
-        self._buffer: DirectBuffer | DoubleBuffer | None = None
+        self._buffer: DirectBuffer | DoubleBuffer | None = None  # "None" / "Double" (rlfleet.weightsync)
         self._sharded: ShardedBuffer | None = None  # "Sharded": this eval's share of each version
-        self._gathered: torch.Tensor | None = (
-            None  # the whole model, rebuilt by the last gather  # "None" / "Double" (rlfleet.weightsync)
-        )
+        self._gathered: torch.Tensor | None = None  # "Sharded": the whole model, from the last gather
+        self._gather_target: torch.Tensor | None = None
         self._staged: tuple[str, Any, int] | None = None  # (kind, where, version)
         self._segments: dict[str, torch.Tensor] = {}
         self._created_segments: set[str] = set()
@@ -907,8 +906,9 @@ class BasePolicy:
     def _gather_out(self) -> torch.Tensor:
         """A fresh buffer for the next gather (the current one still backs the served weights)."""
         sharded = self._sharded_buffer()
-        self._gather_target = torch.empty(sharded.shard_bytes * sharded.world_size, dtype=torch.uint8)
-        return self._gather_target
+        target = torch.empty(sharded.shard_bytes * sharded.world_size, dtype=torch.uint8)
+        self._gather_target = target
+        return target
 
     def notify_update_weights(self) -> int:
         """Seed call: new weights are staged; apply them now (the group drains us first)."""
