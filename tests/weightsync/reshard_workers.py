@@ -434,8 +434,11 @@ def run_case(
                 name = "embed" if "embed" in state else next(iter(state))
                 state = SlowMapping(state, name, 1, action, seconds=4.0)
             deadline = 8.0 if fault else DEADLINE
+            extras: dict[str, Any] = {"kv_scales": {"k": 0.5}}
+            if fault == f"train{rank}:extras":
+                extras = {"not json": object()}
             out[label] = outcome(
-                lambda s=state, v=version, d=deadline: sender.send(s, v, d, {"kv_scales": {"k": 0.5}}).nbytes
+                lambda s=state, v=version, d=deadline, e=extras: sender.send(s, v, d, e).nbytes
             )
         out["broken"] = sender.broken
         return out
@@ -473,6 +476,7 @@ MAIN_STEPS = [
     ("stale", 2, ""),
     ("sender_fails", 3, "train1:raise"),
     ("gen_layout", 3, "gen2:layout"),
+    ("bad_extras", 3, "train0:extras"),
     ("v3", 3, ""),
 ]
 

@@ -216,3 +216,15 @@ def test_reshard_over_nccl_on_two_gpus(transport: str) -> None:
     for step in ("v1", "v2"):
         assert results[1][step]["ok"], results[1][step]
         assert results[1][step]["exact"]
+
+
+@pytest.mark.timeout(200)
+def test_extras_that_cannot_travel_abort_cleanly(runs: dict[int, Any]) -> None:
+    trains = _trains(runs, "tp2dp2_to_tp4")
+    assert trains[0]["bad_extras"]["type"] == "SyncAbortedError"
+    assert "extras cannot travel" in trains[0]["bad_extras"]["message"]
+    for g in _gens(runs, "tp2dp2_to_tp4").values():
+        assert g["bad_extras"]["type"] == "SyncAbortedError"
+        assert "extras cannot travel" in g["bad_extras"]["message"]
+        assert g["bad_extras"]["intact"]
+        assert g["v3"]["ok"]  # the group stayed usable

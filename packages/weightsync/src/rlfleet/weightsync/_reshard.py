@@ -877,16 +877,24 @@ class ReshardSender(_Session):
     ) -> ReshardStats:
         rank = self.program.rank
         problem = self._check_state(state_dict)
-        header = _encode_header(
-            {
-                "magic": MAGIC,
-                "format": RESHARD_FORMAT,
-                "version": version,
-                "digest": self.program.digest,
-                "extras": extras,
-                "abort": None if problem is None else str(problem)[:2000],
-            }
-        )
+
+        def header_for(extras: dict[str, Any], problem: WeightSyncError | None) -> bytes:
+            return _encode_header(
+                {
+                    "magic": MAGIC,
+                    "format": RESHARD_FORMAT,
+                    "version": version,
+                    "digest": self.program.digest,
+                    "extras": extras,
+                    "abort": None if problem is None else str(problem)[:2000],
+                }
+            )
+
+        try:
+            header = header_for(extras, problem)
+        except (TypeError, ValueError) as exc:  # extras not JSON-safe or too big: tell the receivers
+            problem = SyncAbortedError(f"train rank {rank}: extras cannot travel in the header: {exc}")
+            header = header_for({}, problem)
         ops: list[tuple[Pending, str]] = []
         keep: list[torch.Tensor] = []
         for g in self.groups:
