@@ -37,7 +37,7 @@ def test_short_demo_runs_versions_advance_and_weights_agree(tmp_path: Path, stra
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # one initial sync plus one per iteration; every eval policy serves the last one
-    match = re.search(r"weight version (\d+); eval versions \[([\d, ]+)\]", proc.stdout.replace("\n", " "))
+    match = re.search(r"weight version (\d+);\s+eval versions\s+\[([\d,\s]+)\]", proc.stdout)
     assert match, proc.stdout[-2000:]
     assert int(match.group(1)) == iterations + 1
     assert {int(v) for v in match.group(2).split(",")} == {iterations + 1}
