@@ -56,7 +56,15 @@ def shard(spec: ParamSpec, full: Mapping[str, torch.Tensor], tp: int, tp_rank: i
     return torch.cat([full[p].chunk(tp, dim)[tp_rank] if split else full[p] for p, _ in spec.pieces], dim)
 
 
-class Policy(ReshardWorkerMixin, BasePolicy):
+# BasePolicy inherits the mixin (or, before it did, a subclass adds it).
+_Base: Any = (
+    BasePolicy
+    if issubclass(BasePolicy, ReshardWorkerMixin)
+    else type("_Base", (ReshardWorkerMixin, BasePolicy), {})
+)
+
+
+class Policy(_Base):  # type: ignore[misc]
     """A worker whose model holds exactly its shard of `specs()` (plus a kv-cache scale buffer)."""
 
     def __init__(self, role: str, index: int) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
 from rlfleet.policygroup._errors import CommGroupError
+from rlfleet.policygroup._reshard import ReshardWorkerMixin
 from rlfleet.policygroup._transport import (
     bind_module,
     broadcast_flat,
@@ -215,7 +216,7 @@ class _DeferredCommit:
         self.inner.abort(error)
 
 
-class BasePolicy:
+class BasePolicy(ReshardWorkerMixin):
     """A train or eval policy worker; subclass it with a model, a rollout step and a train step.
 
     Works as a plain object (single process) and as a Ray actor (`ray.remote(cls)`); the policy
