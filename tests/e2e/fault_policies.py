@@ -110,14 +110,19 @@ class FaultPolicy(BasePolicy):
             self._last_error = (type(exc).__name__, str(exc), time.monotonic() - start)
             raise
 
-    def mutate(self, kind: str | None) -> None:
-        """Swap in a model whose layout differs from the others' in one parameter."""
+    def mutate(self, kind: str | None, rederive: bool = True) -> None:
+        """Swap in a model whose layout differs from the others' in one parameter.
+
+        `rederive=False` swaps it under the worker: what it derived from the old model (its
+        send layout, its senders) stays, as when user code replaces a module between syncs.
+        """
         self._mutation = kind
         self.model = make_model(kind)
-        self._layout = None
-        self._send_flat = None
-        self._packed_version = None
-        self._senders.clear()
+        if rederive:
+            self._layout = None
+            self._send_flat = None
+            self._packed_version = None
+            self._senders.clear()
         if self.optimizer is not None:
             self.optimizer = self.build_optimizer(self.train_config)
 
@@ -208,14 +213,16 @@ def zeros_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.zeros_like(v) for k, v in state.items()}
 
 
-def ring_reader_process(name: str, queue: Any) -> None:
-    """A reader process: attach to ring `name` as reader 0, receive one version into a
-    DoubleBuffer over zeroed weights; report (error type, message, applied version, checksum)."""
+def ring_reader_process(name: str, queue: Any, go: Any) -> None:
+    """A reader process: attach to ring `name` as reader 0, say so, wait for `go`, receive one
+    version into a DoubleBuffer over zeroed weights; report (error, message, version, checksum)."""
     from rlfleet.weightsync import DoubleBuffer, Layout, ShmRingReceiver, checksum
 
     live = zeros_like(make_model().state_dict())
     buffer = DoubleBuffer(live, Layout.from_state_dict(live, 1 << 20))
     receiver = ShmRingReceiver.attach(name, 0)
+    queue.put("attached")
+    go.wait(120)
     kind, message = "ok", ""
     try:
         receiver.receive(buffer, 30.0)

@@ -1,0 +1,504 @@
+"""Fault injection across the packages: PolicyGroup (Ray) + weightsync transports + routing.
+
+One 3-node Ray cluster and one set of actors serve the whole module (node0: train0, eval0 |
+node1: train1, eval1 | node2: eval2, eval3), so disaggregated syncs mix node-segment items
+(node0, node1) and a cross-node broadcast (to node2). Actors restart after a crash
+(`max_restarts=-1`), the way a deployment keeps its workers: each test kills what it needs and
+the next one gets the restarted actor back. Faults are injected by `fault_policies.FaultPolicy`
+at a named point inside the real sync (e.g. right after the first received bucket).
+
+Each test prints one line "FAULT <case> | <outcome> | <seconds>" (the README table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import fault_policies as fp  # noqa: E402
+
+from rlfleet.policygroup import (  # noqa: E402
+    BatchedData,
+    CommGroupError,
+    PolicyConfig,
+    PolicyGroup,
+    PolicyGroupError,
+    TrainConfig,
+    TrainWorkerDiedError,
+    WeightBufferConfig,
+)
+from rlfleet.weightsync import LayoutMismatchError  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+PLACES = {
+    "train0": "node0",
+    "train1": "node1",
+    "eval0": "node0",
+    "eval1": "node1",
+    "eval2": "node2",
+    "eval3": "node2",
+}
+EVALS = ("eval0", "eval1", "eval2", "eval3")
+SYNC_TIMEOUT_S = 15.0
+GROUP_TIMEOUT_S = 10.0
+RPC_TIMEOUT_S = 30.0
+KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBuffer"}
+
+
+def config(strategy: str = "Double") -> PolicyConfig:
+    return PolicyConfig(
+        weight_buffer=WeightBufferConfig(type=KIND[strategy], buffer_strategy=strategy, bucket_bytes=1024),
+        group_timeout_s=GROUP_TIMEOUT_S,
+        sync_timeout_s=SYNC_TIMEOUT_S,
+        rpc_timeout_s=RPC_TIMEOUT_S,
+        drain_timeout_s=10.0,
+    )
+
+
+def report(case: str, outcome: str, seconds: float) -> None:
+    print(f"\nFAULT {case} | {outcome} | {seconds:.1f}")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    with contextlib.suppress(FileNotFoundError):
+        os.remove("/tmp/ray/ray_current_cluster")
+    ray.cloudpickle.register_pickle_by_value(fp)
+    for attempt in (1, 2):  # Ray gives a raylet 30 s to register: a loaded machine can miss it
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "include_dashboard": False, "resources": {"node0": 100}},
+        )
+        try:
+            for i in (1, 2):
+                c.add_node(num_cpus=1, resources={f"node{i}": 100})
+            c.wait_for_nodes()
+            break
+        except Exception:
+            c.shutdown()
+            if attempt == 2:
+                raise
+    try:
+        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove("/tmp/ray/ray_current_cluster")
+
+
+@pytest.fixture(scope="module")
+def actors(cluster: Any) -> dict[str, Any]:
+    remote = ray.remote(fp.FaultPolicy)
+    out = {}
+    for name, node in PLACES.items():
+        out[name] = remote.options(
+            num_cpus=0, max_concurrency=16, max_restarts=-1, resources={node: 1}
+        ).remote(config=config(), role="train" if name.startswith("train") else "eval", index=int(name[-1]))
+    wait_alive(out.values(), 240.0)
+    return out
+
+
+def wait_alive(handles: Any, timeout: float = 120.0) -> None:
+    """Until every actor answers (a crashed one is restarting meanwhile)."""
+    end = time.monotonic() + timeout
+    for handle in handles:
+        while True:
+            try:
+                ray.get(handle.is_alive.remote(), timeout=max(1.0, end - time.monotonic()))
+                break
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.5)
+
+
+@pytest.fixture
+def restore(actors: dict[str, Any]) -> Iterator[None]:
+    """After a test: faults disarmed, models back to normal, crashed actors back."""
+    yield
+    wait_alive(actors.values())
+    ray.get([a.release.remote() for a in actors.values()], timeout=60)
+    ray.get([a.mutate.remote(None) for a in actors.values()], timeout=60)
+
+
+def make_group(actors: dict[str, Any], strategy: str, evals: tuple[str, ...] = EVALS) -> PolicyGroup:
+    group = PolicyGroup([actors["train0"], actors["train1"]], [actors[e] for e in evals], config(strategy))
+    group.init(TrainConfig(lr=1e-2))
+    # trainers are data-parallel replicas: a restarted one starts from train0's weights
+    state = ray.get(actors["train0"].get_state_dict.remote(), timeout=60)
+    ray.get(actors["train1"].load_state_dict.remote(state), timeout=60)
+    group.init_placement_info()
+    group.init_weight_buffer()
+    group.init_comm_group("gloo")
+    group.sync_weights()
+    return group
+
+
+def eval_state(group: PolicyGroup) -> list[tuple[int, str]]:
+    """(version, checksum) of every eval policy, in eval_list order."""
+    versions = ray.get([p.get_weight_version.remote() for p in group.eval_list], timeout=60)
+    sums = ray.get([p.get_weight_checksum.remote() for p in group.eval_list], timeout=60)
+    return list(zip(versions, sums, strict=True))
+
+
+def trainer_sum(group: PolicyGroup) -> str:
+    return str(ray.get(group.train_list[0].get_weight_checksum.remote(), timeout=60))
+
+
+def rollout(group: PolicyGroup, n: int = 12) -> list[dict[str, Any]]:
+    x = torch.randn(n, fp.OBS_DIM, generator=torch.Generator().manual_seed(n)).tolist()
+    resp = group.rollout_batch(BatchedData([f"env-{i}" for i in range(n)], x))
+    return list(ray.get(resp.values(), timeout=60))
+
+
+def pick(group: PolicyGroup, actors: dict[str, Any], role: str) -> str:
+    """The eval actor name playing `role` in the group's current sync plan."""
+    plan = group._plan
+    name_of = {group._wid(a): n for n, a in actors.items()}
+    if role == "broadcast":  # receives over the wire from a trainer on another node
+        return name_of[group._wid(plan.cross[0].receivers[-1])]
+    if role == "writer":  # Shared: receives for node2 and fills its shared buffer
+        return name_of[group._wid(plan.cross[0].receivers[0])]
+    if role == "segment":  # reads the segment a trainer on its node wrote
+        return name_of[group._wid(plan.readers[group.node_of(actors["train1"])][0])]
+    if role == "reader":  # Shared: reads node2's shared buffer that another eval fills
+        node2 = group.node_of(actors["eval2"])
+        return name_of[group._wid(plan.readers[node2][0])]
+    raise ValueError(role)
+
+
+def assert_not_planned(group: PolicyGroup, victim: Any) -> None:
+    wid = group._wid(victim)
+    assert all(group._wid(p) != wid for p in group.eval_list)
+    assert wid not in group.router
+    plan = group._plan
+    assert all(group._wid(r) != wid for rs in plan.readers.values() for r in rs)
+    assert all(group._wid(r) != wid for c in plan.cross for r in c.receivers)
+    assert all(group._wid(w) != wid for w in plan.writers.values())
+    for items in group.transfer_info.values():
+        for item in items:
+            receivers = item["receiver"] if isinstance(item["receiver"], list) else [item["receiver"]]
+            assert all(group._wid(r) != wid for r in [item["sender"], *receivers])
+    for entry in group.placement_info.values():
+        assert all(group._wid(p) != wid for p in entry["eval_policies"])
+
+
+# ------------------------------------------------------------------ eval killed mid-sync
+@pytest.mark.parametrize(
+    ("strategy", "role", "point"),
+    [
+        ("None", "broadcast", "consume"),
+        ("Double", "segment", "consume"),
+        ("Double", "broadcast", "consume"),
+        ("Shared", "writer", "consume"),
+        ("Shared", "reader", "stage"),
+    ],
+)
+def test_eval_killed_mid_sync_survivors_finish_and_it_leaves_routing_and_plans(
+    actors: dict[str, Any], restore: None, strategy: str, role: str, point: str
+) -> None:
+    group = make_group(actors, strategy)
+    try:
+        group.train(None, seed=1)
+        victim = pick(group, actors, role)
+        before = group.weight_version
+        ray.get(actors[victim].arm.remote(point, "die"), timeout=30)
+        start = time.monotonic()
+        group.sync_weights()  # the victim SIGKILLs itself inside its part of the sync
+        seconds = time.monotonic() - start
+        # one failed try and one retry for the survivors, each bounded by the sync deadline
+        assert seconds < 2 * SYNC_TIMEOUT_S, seconds
+        assert len(group.eval_list) == 3
+        assert_not_planned(group, actors[victim])
+        assert group.weight_version > before
+        ref = trainer_sum(group)
+        assert eval_state(group) == [(group.weight_version, ref)] * 3
+        assert group.verify_eval_weight_checksums()
+        out = rollout(group)
+        survivors = {int(n[-1]) for n in EVALS if n != victim}
+        assert {r["worker"] for r in out} == survivors
+        assert {r["version"] for r in out} == {group.weight_version}
+        report(f"eval killed mid-sync ({strategy}, {role} {victim} at {point})", "survivors synced", seconds)
+    finally:
+        group.shutdown()
+
+
+# ------------------------------------------------------------------ trainer killed mid-sync
+@pytest.mark.parametrize("strategy", ["None", "Double", "Shared"])
+def test_trainer_killed_mid_sync_receivers_abort_and_keep_their_weights(
+    actors: dict[str, Any], restore: None, strategy: str
+) -> None:
+    group = make_group(actors, strategy)
+    try:
+        group.train(None, seed=2)
+        before = eval_state(group)
+        version = group.weight_version
+        cross = group._plan.cross[0]
+        sender_pid = ray.get(cross.sender.get_pid.remote(), timeout=30)
+        receiver = cross.receivers[0]
+        # the receiver SIGKILLs the trainer after taking the first bucket: mid-stream
+        ray.get(receiver.arm.remote("consume", "kill", sender_pid), timeout=30)
+        start = time.monotonic()
+        with pytest.raises(TrainWorkerDiedError, match=r"train policy \d died"):
+            group.sync_weights()
+        seconds = time.monotonic() - start
+        assert seconds < SYNC_TIMEOUT_S + 15.0, seconds
+        kind, message, took = ray.get(receiver.last_error.remote(), timeout=30)
+        assert kind in ("PeerLostError", "SyncTimeoutError"), (kind, message)
+        assert took < SYNC_TIMEOUT_S + 5.0
+        assert group.weight_version == version
+        # what the dead trainer fed (its stream, and with Shared the node buffer it filled) is
+        # untouched: same version, same bytes; with Double/Shared nothing is applied anywhere
+        # (only staged), with "None" evals fed by the live trainer applied in place
+        fed = {group._wid(r) for r in cross.receivers}
+        if strategy == "Shared":
+            fed |= {group._wid(r) for r in group._plan.readers.get(cross.node, [])}
+        after = eval_state(group)
+        for p, old, new in zip(group.eval_list, before, after, strict=True):
+            if group._wid(p) in fed or strategy != "None":
+                assert new == old, group._name(p)
+        report(f"trainer killed mid-sync ({strategy})", f"receivers: {kind}; weights unchanged", seconds)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a trainer killed with the group's node segment open leaks /dev/shm/rlfleet-<uid>-<node>: "
+    "the name carries no creator pid, so cleanup_stale_segments() cannot reclaim it",
+)
+def test_killed_trainer_leaves_no_shared_memory_behind(actors: dict[str, Any], restore: None) -> None:
+    import glob
+
+    from rlfleet.weightsync import cleanup_stale_segments
+
+    group = make_group(actors, "Double")
+    uid = group._uid
+    with contextlib.suppress(ray.exceptions.RayActorError):
+        ray.get(actors["train1"].crash.remote(), timeout=30)
+    group.shutdown()
+    wait_alive([actors["train1"]])
+    cleanup_stale_segments()
+    leaked = glob.glob(f"/dev/shm/rlfleet-{uid}*")
+    for path in leaked:  # leave the machine clean whatever the verdict
+        os.unlink(path)
+    assert not leaked, leaked
+
+
+# ------------------------------------------------------------------ corruption in shared memory
+def test_corrupted_byte_in_a_ring_slot_in_flight_is_caught_by_a_reader_process() -> None:
+    """weightsync ShmRing between real processes: the writer publishes, one byte of the slot is
+    flipped before the reader process consumes it, the reader's checksum check refuses it."""
+    import multiprocessing as mp
+
+    from rlfleet.weightsync import Layout, SharedSegment, ShmRingSender, checksum
+    from rlfleet.weightsync._shm_ring import G_DATA_OFFSET
+
+    state = fp.make_model().state_dict()
+    layout = Layout.from_state_dict(state, 1 << 20)
+    assert len(layout.buckets) == 1  # the whole version fits the ring: published without waiting
+    ctx = mp.get_context("spawn")
+    queue, go = ctx.Queue(), ctx.Event()
+    start = time.monotonic()
+    with ShmRingSender(layout, 1, slots=2, checksums=True) as sender:
+        proc = ctx.Process(target=fp.ring_reader_process, args=(sender.name, queue, go))
+        proc.start()
+        try:
+            assert queue.get(timeout=120) == "attached"
+            # the version is published into the ring; the reader has not looked at it yet
+            assert sender.send(state, 1, 10.0, wait_for_readers=False) == {}
+            raw = SharedSegment.attach(sender.name)
+            header = raw.tensor(0, 4096, dtype=torch.int64)
+            slot = raw.tensor(int(header[G_DATA_OFFSET]), layout.buckets[0].nbytes)
+            slot[layout["2.weight"].offset + 5] ^= 0x01
+            del header, slot
+            raw.close()
+            go.set()
+            kind, message, version, live = queue.get(timeout=120)
+        finally:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    seconds = time.monotonic() - start
+    assert kind == "ChecksumMismatchError", message
+    assert "bucket 0" in message
+    assert version == -1  # nothing applied
+    assert live == checksum(fp.zeros_like(state))
+    report("one byte flipped in a shared-memory ring slot", "ChecksumMismatchError, nothing applied", seconds)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="policygroup node segments (None/Double, same node) carry no checksum: a flipped byte is "
+    "applied and only verify_eval_weight_checksums() notices afterwards",
+)
+def test_corrupted_node_segment_is_not_applied(actors: dict[str, Any], restore: None) -> None:
+    group = make_group(actors, "Double")
+    try:
+        group.train(None, seed=3)
+        victim = pick(group, actors, "segment")
+        ray.get(actors[victim].arm.remote("stage", "corrupt"), timeout=30)
+        before = dict(zip(EVALS, eval_state(group), strict=True))[victim]
+        with contextlib.suppress(PolicyGroupError):
+            group.sync_weights()
+        after = ray.get(actors[victim].get_weight_checksum.remote(), timeout=30)
+        assert after in (before[1], trainer_sum(group)), "corrupted weights were applied"
+    finally:
+        group.shutdown()
+
+
+# ------------------------------------------------------------------ layout mismatch
+@pytest.mark.parametrize("mutation", ["renamed", "reshaped", "dtype"])
+def test_layout_mismatch_names_the_parameter_and_applies_nothing(
+    actors: dict[str, Any], restore: None, mutation: str
+) -> None:
+    param = fp.MUTATED_PARAMETER[mutation]
+    start = time.monotonic()
+    # an eval policy whose model differs: refused when its buffer is set up
+    ray.get(actors["eval3"].mutate.remote(mutation), timeout=30)
+    own = ray.get(actors["eval3"].get_weight_checksum.remote(), timeout=30)
+    group = PolicyGroup([actors["train0"]], [actors["eval3"]], config("Double"))
+    try:
+        group.init(TrainConfig())
+        group.init_placement_info()
+        with pytest.raises(PolicyGroupError, match=re.escape(f"'{param}'")) as info:
+            group.init_weight_buffer()
+        assert isinstance(info.value.__cause__, LayoutMismatchError)
+        renamed_to = {"renamed": "2.offset"}.get(mutation, param)  # either side's name will do
+        assert info.value.__cause__.parameter in (param, renamed_to)
+        assert ray.get(actors["eval3"].get_weight_checksum.remote(), timeout=30) == own
+    finally:
+        group.shutdown()
+    ray.get(actors["eval3"].mutate.remote(None), timeout=30)
+    # the trainers' model changes under them after the group was wired: refused, evals keep v
+    group = make_group(actors, "Double")
+    try:
+        before, version = eval_state(group), group.weight_version
+        ray.get([actors[t].mutate.remote(mutation, False) for t in ("train0", "train1")], timeout=30)
+        with pytest.raises(PolicyGroupError, match=re.escape(f"'{param}'")):
+            group.sync_weights()
+        assert group.weight_version == version
+        assert eval_state(group) == before
+    finally:
+        group.shutdown()
+    # the trainers re-derive their layout from the changed model: the cross-node receivers
+    # refuse it (their error names the parameter), nothing is applied anywhere
+    ray.get([actors[t].mutate.remote(None) for t in ("train0", "train1")], timeout=30)
+    group = make_group(actors, "Double")
+    try:
+        before, version = eval_state(group), group.weight_version
+        ray.get([actors[t].mutate.remote(mutation) for t in ("train0", "train1")], timeout=30)
+        with pytest.raises(PolicyGroupError, match="different layout"):
+            group.sync_weights()
+        for receiver in group._plan.cross[0].receivers:
+            kind, message, _ = ray.get(receiver.last_error.remote(), timeout=30)
+            assert kind == "LayoutMismatchError", message
+            assert f"'{param}'" in message
+        assert group.weight_version == version
+        assert eval_state(group) == before
+    finally:
+        group.shutdown()
+    report(
+        f"layout mismatch ({mutation} {param})",
+        "LayoutMismatchError names it, nothing applied",
+        time.monotonic() - start,
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="node-segment readers (None/Double, same node as the trainer) never compare the "
+    "trainer's layout digest: a trainer whose layout changed gets its bytes staged and applied",
+)
+def test_trainer_layout_change_is_refused_by_node_segment_readers(
+    actors: dict[str, Any], restore: None
+) -> None:
+    group = make_group(actors, "Double", evals=("eval0", "eval1"))  # node segments only
+    try:
+        assert not group._plan.cross
+        before, version = eval_state(group), group.weight_version
+        ray.get([actors[t].mutate.remote("reshaped") for t in ("train0", "train1")], timeout=30)
+        with contextlib.suppress(PolicyGroupError):
+            group.sync_weights()
+        assert group.weight_version == version
+        assert eval_state(group) == before
+    finally:
+        group.shutdown()
+
+
+# ------------------------------------------------------------------ a rank never joins
+def test_comm_group_member_that_never_joins_is_named_within_the_deadline(
+    actors: dict[str, Any], restore: None
+) -> None:
+    group = PolicyGroup([actors["train0"], actors["train1"]], [actors[e] for e in EVALS], config())
+    try:
+        group.init(TrainConfig())
+        group.init_placement_info()
+        group.init_weight_buffer()
+        ray.get(actors["eval2"].arm.remote("join", "hang", 120.0), timeout=30)
+        start = time.monotonic()
+        with pytest.raises(CommGroupError) as info:
+            group.init_comm_group("gloo")
+        seconds = time.monotonic() - start
+        # every other rank gives up after group_timeout_s; the driver's wait has 15 s of margin
+        assert seconds < GROUP_TIMEOUT_S + 15.0 + 10.0, seconds
+        message = str(info.value)
+        assert re.search(r"rank \d+ \(eval policy 2\b", message), message
+    finally:
+        ray.get(actors["eval2"].release.remote(), timeout=30)
+        group.shutdown()
+    report("comm group: eval policy 2 never joins", "CommGroupError names its rank", seconds)
+
+
+# ------------------------------------------------------------------ restart and rejoin
+def test_restarted_eval_rejoins_gets_the_current_version_and_is_routed_again(
+    actors: dict[str, Any], restore: None
+) -> None:
+    group = make_group(actors, "Double")
+    try:
+        group.train(None, seed=4)
+        group.sync_weights()
+        current = trainer_sum(group)
+        victim = actors["eval3"]
+        old_pid = ray.get(victim.get_pid.remote(), timeout=30)
+        victim.crash.remote()
+        start = time.monotonic()
+        group.train(None, seed=5)
+        group.sync_weights()  # finds it dead: dropped, the others move on
+        assert_not_planned(group, victim)
+        wait_alive([victim])  # Ray restarted it: a fresh process with the initial weights
+        assert ray.get(victim.get_pid.remote(), timeout=30) != old_pid
+        current = trainer_sum(group)
+        # rejoin: back into the group, re-planned, buffers and groups rebuilt
+        group.push(victim, "eval")
+        group.init_eval()
+        group.init_placement_info()
+        group.init_weight_buffer()
+        group.init_comm_group("gloo")
+        group.sync_weights()
+        seconds = time.monotonic() - start
+        assert len(group.eval_list) == 4
+        assert eval_state(group) == [(group.weight_version, current)] * 4
+        out = rollout(group, 16)
+        assert 3 in {r["worker"] for r in out}
+        assert {r["version"] for r in out} == {group.weight_version}
+        report("eval restarted after a crash", "rejoined, current weights, routed again", seconds)
+    finally:
+        group.shutdown()
