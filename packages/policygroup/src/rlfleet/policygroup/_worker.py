@@ -52,6 +52,7 @@ from rlfleet.weightsync import (
     VersionError,
     bucket_starts,
     checksum,
+    cleanup_stale_segments,
     fingerprint,
     live_tensors,
     new_group_bounded,
@@ -283,6 +284,7 @@ class BasePolicy(ReshardWorkerMixin):
         self._send_lock = threading.Lock()  # concurrent sends of one version pack once
         self._shared_writer: SharedBuffer | None = None  # this process fills its node's shared buffer
         self._shared_reader: SharedBufferReader | None = None  # zero-copy views of the node's buffer
+        self._shm_prefix: str | None = None  # name prefix of our group's shared buffers (cleanup)
         self._recv_flat: torch.Tensor | None = None
         self._packed_version: int | None = None
         self._update_done = threading.Event()
@@ -578,6 +580,8 @@ class BasePolicy(ReshardWorkerMixin):
             )
             return
         self._shared_name = None if shared_weight_buffer is None else str(shared_weight_buffer["name"])
+        if self._shared_name is not None:
+            self._shm_prefix = self._shared_name.split("_", 1)[0]
         if strategy == "Shared":
             if self._shared_name is None:
                 raise ValueError("strategy 'Shared' needs shared_weight_buffer={'name': ...}")
@@ -613,6 +617,8 @@ class BasePolicy(ReshardWorkerMixin):
         writer, self._shared_writer = self._shared_writer, None
         if writer is not None:
             writer.close()  # unlinks; bound readers keep their views until they rebind
+        if self._shm_prefix is not None:  # a writer of our group SIGKILLed on this node left its buffer
+            cleanup_stale_segments(self._shm_prefix)
         self._recv_flat = None
         removed = sum(1 for name in list(self._created_segments) if unlink_segment(name))
         self._created_segments.clear()
@@ -667,6 +673,8 @@ class BasePolicy(ReshardWorkerMixin):
         """Become the writer of this node's shared buffer (two slots); returns its name for the readers."""
         if self._shared_writer is not None:
             self._shared_writer.close()
+        self._shm_prefix = prefix
+        cleanup_stale_segments(prefix)  # the buffer of a writer of this group that was killed here
         self._shared_writer = SharedBuffer(
             Layout.from_dict(layout), num_readers, timeout_s=self.config.sync_timeout_s, prefix=prefix
         )
