@@ -302,7 +302,9 @@ class PolicyGroup:
             node = labels.get(real, real)
         if wid in self.router:
             return
-        self.router.add_worker(wid, node=node, version=self._version)
+        # version 0 until init_weight_buffer reads the real one: a restarted worker pushed back
+        # serves its initial weights, and must not look current to a newest-version router
+        self.router.add_worker(wid, node=node, version=0)
 
     def _router_remove(self, policy: Policy) -> None:
         with contextlib.suppress(UnknownWorkerError):
