@@ -469,13 +469,16 @@ class CudaIpcReceiver:
         index: int,
         slots: _CudaOpened | _HostOpened,
         sender_layout: Layout,
+        last_session: int,
     ) -> None:
         self._segment = segment
         self._cb = cb
         self.index = index
         self._slots = slots
         self.sender_layout = sender_layout
-        self._last_session = cb.get(G_SESSION)
+        # Read before R_ATTACHED is set (see ShmRingReceiver): a session started after that
+        # includes this reader and must not be taken for an old one.
+        self._last_session = last_session
         self._liveness = _Every()
 
     @property
@@ -527,9 +530,10 @@ class CudaIpcReceiver:
             cb.set(cb.reader(index, R_START), my_start)
             cb.set(cb.reader(index, R_ACK), 0)
             cb.set(cb.reader(index, R_EPOCH), cb.get(cb.reader(index, R_EPOCH)) + 1)
+            last_session = cb.get(G_SESSION)
             memory_fence()
             cb.set(cb.reader(index, R_ATTACHED), 1)
-            return cls(segment, cb, index, slots, meta["layout"])
+            return cls(segment, cb, index, slots, meta["layout"], last_session)
         except BaseException:
             segment.close()
             raise

@@ -369,12 +369,22 @@ class ShmRingSender:
 class ShmRingReceiver:
     """One reader of a ring: `receive(consumer)` once per version the writer sends."""
 
-    def __init__(self, segment: SharedSegment, ring: _Ring, reader_index: int, slots: list[torch.Tensor]):
+    def __init__(
+        self,
+        segment: SharedSegment,
+        ring: _Ring,
+        reader_index: int,
+        slots: list[torch.Tensor],
+        last_session: int,
+    ):
         self._segment = segment
         self._ring = ring
         self.reader_index = reader_index
         self._slots = slots
-        self._last_session = ring.get(G_SESSION)
+        # The newest session started before this reader announced itself: it cannot be a member
+        # of it. Read before R_ATTACHED is set, or a session the writer starts in between (with
+        # this reader as a member) would be mistaken for an old one and never received.
+        self._last_session = last_session
         self._sender_layout: Layout | None = None
         self._liveness = _Liveness()
 
@@ -427,9 +437,10 @@ class ShmRingReceiver:
             ring.set(ring.reader(reader_index, R_DONE), 0)
             ring.set(ring.reader(reader_index, R_RESULT), 0)
             ring.set(ring.reader(reader_index, R_EPOCH), ring.get(ring.reader(reader_index, R_EPOCH)) + 1)
+            last_session = ring.get(G_SESSION)
             memory_fence()
             ring.set(ring.reader(reader_index, R_ATTACHED), 1)
-            return cls(segment, ring, reader_index, slots)
+            return cls(segment, ring, reader_index, slots, last_session)
         except BaseException:
             segment.close()
             raise
