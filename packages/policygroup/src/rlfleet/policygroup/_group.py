@@ -49,6 +49,8 @@ Policy = Any  # BasePolicy | ray.actor.ActorHandle
 def _is_dead(exc: BaseException | None) -> bool:
     if exc is None:
         return False
+    if isinstance(getattr(exc, "cause", None), WorkerDiedError):  # restarted: the old process died
+        return True
     kinds: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError,)
     unavailable = getattr(ray.exceptions, "ActorUnavailableError", None)
     if unavailable is not None:
@@ -64,9 +66,11 @@ def _died_itself(policy: Any, exc: BaseException | None) -> bool:
     """
     if not _is_dead(exc):
         return False
-    dead = getattr(exc, "actor_id", None)
+    dead = getattr(exc, "actor_id", None) or getattr(exc, "_actor_id", None)  # RayTaskError: _actor_id
     mine = getattr(policy, "_actor_id", None)
-    return dead is None or mine is None or dead == mine.hex()
+    if dead is None or mine is None:
+        return True
+    return bool((dead if isinstance(dead, str) else dead.hex()) == mine.hex())
 
 
 def _cause(exc: BaseException) -> BaseException:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
-from rlfleet.policygroup._errors import CommGroupError
+from rlfleet.policygroup._errors import CommGroupError, WorkerDiedError
 from rlfleet.policygroup._reshard import ReshardWorkerMixin
 from rlfleet.policygroup._transport import (
     bind_module,
@@ -147,6 +147,16 @@ def _host_memory() -> tuple[int, int]:
     except OSError:
         pass
     return total, page * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _was_restarted() -> bool:
+    """True in a Ray actor that Ray restarted after its process died."""
+    try:
+        import ray
+
+        return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # pragma: no cover - not in an actor, or an older Ray
+        return False
 
 
 def _reset_group_sequence() -> None:
@@ -299,6 +309,9 @@ class BasePolicy(ReshardWorkerMixin):
         self._ref_model: torch.nn.Module | None = None
         self._offloaded: dict[str, bool] = {"model": False, "optimizer": False, "grad": False}
         self._finished = False
+        # Ray restarted this actor after a crash (max_restarts): calls queued for the dead process
+        # arrive here, where the group's weights are gone, until the group wires us in again
+        self._restarted = _was_restarted()
 
     # ================================================================== user hooks
     def build_model(self) -> torch.nn.Module:
@@ -393,7 +406,17 @@ class BasePolicy(ReshardWorkerMixin):
         return self.role.value
 
     # ================================================================== serving
+    def _refuse_if_restarted(self) -> None:
+        if self._restarted and self.role == PolicyRole.EVAL:
+            raise WorkerDiedError(
+                f"eval policy {self.index} was restarted after a crash and holds its initial weights "
+                "until its group wires it in again (init_weight_buffer); retry on another worker",
+                "eval",
+                self.index,
+            )
+
     def _enter(self) -> None:
+        self._refuse_if_restarted()
         with self._count_lock:
             self._num_requests += 1
         self._serve.acquire_read()
@@ -562,6 +585,7 @@ class BasePolicy(ReshardWorkerMixin):
                     exc.parameter,
                 ) from None
         self._unbind_weights()
+        self._restarted = False
         self._layout = mine
         self._strategy = strategy
         self._staged = None
@@ -716,6 +740,7 @@ class BasePolicy(ReshardWorkerMixin):
 
     # ================================================================== weights: receiver
     def _require_layout(self) -> Layout:
+        self._refuse_if_restarted()
         if self._layout is None:
             raise RuntimeError(
                 f"{self.role.value} policy {self.index}: init_weight_buffer() has not been called"
