@@ -181,6 +181,7 @@ class Soak:
         self.actors: dict[str, Any] = {}
         self.pids: dict[str, int] = {}
         self.probes: dict[str, Any] = {}
+        self.phase_progress = (0, 1)  # (cycles done, cycles) of the current phase
         self.group: PolicyGroup | None = None
         self.version_floor = 0
         self.stop_client = threading.Event()
@@ -303,6 +304,10 @@ class Soak:
         sent = 0
         try:
             while sent < quota and not self.stop_client.is_set():
+                done, cycles = self.phase_progress
+                if sent >= quota * (done + 1) / cycles:  # spread the requests over the phase's syncs
+                    time.sleep(0.005)
+                    continue
                 n = min(10, quota - sent)
                 pending = {f"env-{self.issued + i}": 0 for i in range(n)}
                 sent += n
@@ -357,6 +362,8 @@ class Soak:
         except (ray.exceptions.RayActorError, *CLEAR_ERRORS):
             return "retry"
         except ray.exceptions.RayTaskError as exc:
+            if isinstance(getattr(exc, "cause", None), CLEAR_ERRORS):  # e.g. a restarted worker refused it
+                return "retry"
             self.stats["requests_task_error"] += 1
             log(f"request failed inside the policy: {str(exc)[:200]}")
             return "lost"
@@ -498,10 +505,12 @@ class Soak:
             done = 0
             for strategy, n in zip(phases, per_phase, strict=True):
                 self.build_group(strategy)
+                self.phase_progress = (0, n)
                 self.start_client(round(self.requests * n / self.cycles))
-                for _ in range(n):
+                for i in range(n):
                     self.cycle(done)
                     done += 1
+                    self.phase_progress = (i + 1, n)
                     if done == warmup:
                         self.refresh_pids()
                         rss_warm = self.rss()

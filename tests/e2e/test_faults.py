@@ -38,6 +38,7 @@ from rlfleet.policygroup import (  # noqa: E402
     TrainConfig,
     TrainWorkerDiedError,
     WeightBufferConfig,
+    WorkerDiedError,
 )
 from rlfleet.weightsync import LayoutMismatchError  # noqa: E402
 
@@ -480,8 +481,25 @@ def test_restarted_eval_rejoins_gets_the_current_version_and_is_routed_again(
         old_pid = ray.get(victim.get_pid.remote(), timeout=30)
         victim.crash.remote()
         start = time.monotonic()
+        # requests routed to it meanwhile reach the restarted process: refused, never served
+        # with its initial weights
+        x = torch.zeros(8, fp.OBS_DIM).tolist()
+        for _ in range(4):
+            resp = group.rollout_batch(BatchedData([f"env-{i}" for i in range(8)], x))
+            for ref in resp.values():
+                answer, error = None, None
+                try:
+                    answer = ray.get(ref, timeout=60)
+                except ray.exceptions.RayTaskError as exc:
+                    error = exc.cause
+                except ray.exceptions.RayActorError as exc:
+                    error = exc
+                if answer is not None:
+                    assert answer["version"] == group.weight_version, answer
+                else:
+                    assert isinstance(error, WorkerDiedError | ray.exceptions.RayActorError), error
         group.train(None, seed=5)
-        group.sync_weights()  # finds it dead: dropped, the others move on
+        group.sync_weights()  # finds it dead (or restarted, refusing): dropped, the others move on
         assert_not_planned(group, victim)
         wait_alive([victim])  # Ray restarted it: a fresh process with the initial weights
         assert ray.get(victim.get_pid.remote(), timeout=30) != old_pid
