@@ -368,7 +368,7 @@ def test_demo_ray_listens_on_loopback_only(demo_runtime: dict[str, Any]) -> None
     assert not exposed, exposed
     report(
         "demo: Ray servers, workers, gloo",
-        f"{len(demo_runtime['listeners'])} listening sockets, all loopback",
+        f"{len(demo_runtime['listeners'])} listening sockets, all loopback but the rendezvous store",
     )
 
 
