@@ -60,6 +60,8 @@ def default_device(group: Any = None) -> torch.device:
 
 
 class _TorchPending:
+    """A torch.distributed Work whose wait is bounded by a Deadline (collectives and point-to-point)."""
+
     __slots__ = ("_what", "_work")
 
     def __init__(self, work: Any, what: str) -> None:
@@ -74,7 +76,8 @@ class _TorchPending:
             if left is None:
                 self._work.wait()
             else:
-                self._work.wait(timeout=timedelta(seconds=left))
+                # a sub-microsecond remainder would round to timedelta(0): keep it positive
+                self._work.wait(timeout=timedelta(seconds=max(left, 0.001)))
         except Exception as exc:
             raise map_dist_error(exc, what) from exc
 

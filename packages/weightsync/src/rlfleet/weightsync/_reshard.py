@@ -45,7 +45,6 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from enum import IntEnum
 from typing import Any, Protocol, cast
 
@@ -55,7 +54,7 @@ from torch._C import _distributed_c10d as _c10d
 
 from rlfleet.weightsync._cupy import import_nccl
 from rlfleet.weightsync._deadline import Deadline
-from rlfleet.weightsync._dist import map_dist_error
+from rlfleet.weightsync._dist import _TorchPending, map_dist_error
 from rlfleet.weightsync._dtypes import dtype_from_name
 from rlfleet.weightsync._errors import (
     LayoutMismatchError,
@@ -404,26 +403,6 @@ class P2PWire(Protocol):
     def all_reduce_sum(self, tensor: torch.Tensor) -> Pending: ...
 
 
-class _Work:
-    __slots__ = ("_what", "_work")
-
-    def __init__(self, work: Any, what: str) -> None:
-        self._work = work
-        self._what = what
-
-    def wait(self, deadline: Deadline, what: str) -> None:
-        left = deadline.remaining()
-        if left is not None and left <= 0:
-            raise deadline.error(what)
-        try:
-            if left is None:
-                self._work.wait()
-            else:
-                self._work.wait(timeout=timedelta(seconds=max(left, 0.001)))
-        except Exception as exc:
-            raise map_dist_error(exc, what) from exc
-
-
 def _is_torch_group(obj: Any) -> bool:
     """A torch.distributed ProcessGroup, or a backend made directly (``ProcessGroupGloo(store, ...)``)."""
     return isinstance(obj, (dist.ProcessGroup, _c10d.Backend))
@@ -468,21 +447,21 @@ class TorchP2PWire:
     def size(self) -> int:
         return self._size
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> _Work:
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> _TorchPending:
         try:
-            return _Work(self.group.send([tensor], peer, tag), "send")
+            return _TorchPending(self.group.send([tensor], peer, tag), "send")
         except Exception as exc:
             raise map_dist_error(exc, f"send to group rank {peer}") from exc
 
-    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> _Work:
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> _TorchPending:
         try:
-            return _Work(self.group.recv([tensor], peer, tag), "recv")
+            return _TorchPending(self.group.recv([tensor], peer, tag), "recv")
         except Exception as exc:
             raise map_dist_error(exc, f"receive from group rank {peer}") from exc
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> _Work:
+    def all_reduce_sum(self, tensor: torch.Tensor) -> _TorchPending:
         try:
-            return _Work(self.group.allreduce([tensor]), "all_reduce")
+            return _TorchPending(self.group.allreduce([tensor]), "all_reduce")
         except Exception as exc:
             raise map_dist_error(exc, "all_reduce") from exc
 
