@@ -312,9 +312,6 @@ def test_other_peer_metadata_decoders_are_fuzz_clean() -> None:
     report("NCCL unique id / CUDA-IPC channel metadata decoders", "MetadataError only")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="_reshard.py decoders let RecursionError escape on deeply nested JSON (reported)"
-)
 def test_reshard_metadata_decoders_reject_nested_json() -> None:
     from rlfleet.weightsync._reshard import RankProgram, _decode_header
 

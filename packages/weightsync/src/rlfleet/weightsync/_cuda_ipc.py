@@ -46,6 +46,7 @@ from rlfleet.weightsync._errors import (
     WeightSyncError,
 )
 from rlfleet.weightsync._integrity import bucket_checksum
+from rlfleet.weightsync._json import decode_json
 from rlfleet.weightsync._layout import MAX_METADATA_BYTES, Layout
 from rlfleet.weightsync._packing import pack_bucket
 from rlfleet.weightsync._protocol import BucketConsumer
@@ -684,12 +685,7 @@ def _abort(consumer: BucketConsumer, error: BaseException) -> None:
 
 
 def _decode_meta(raw: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MetadataError(f"IPC channel metadata is not valid JSON: {exc}") from None
-    except RecursionError:  # "[[[[..." nested deeper than the decoder's stack
-        raise MetadataError("IPC channel metadata is nested too deeply") from None
+    data = decode_json(raw, "IPC channel metadata")
     if not isinstance(data, dict):
         raise MetadataError("IPC channel metadata must be a JSON object")
     backend = data.get("backend")

@@ -20,6 +20,7 @@ import torch
 
 from rlfleet.weightsync._dtypes import dtype_from_name, dtype_name
 from rlfleet.weightsync._errors import LayoutMismatchError, MetadataError
+from rlfleet.weightsync._json import decode_json
 
 ALIGNMENT = 512
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
@@ -177,15 +178,7 @@ class Layout:
 
     @classmethod
     def from_json(cls, raw: bytes | str, max_bytes: int = MAX_METADATA_BYTES) -> Layout:
-        if len(raw) > max_bytes:
-            raise MetadataError(f"layout metadata is {len(raw)} bytes, over the {max_bytes}-byte limit")
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise MetadataError(f"layout metadata is not valid JSON: {exc}") from None
-        except RecursionError:  # "[[[[..." nested deeper than the decoder's stack
-            raise MetadataError("layout metadata is nested too deeply") from None
-        return cls.from_dict(data)
+        return cls.from_dict(decode_json(raw, "layout metadata", max_bytes))
 
     # -- queries ----------------------------------------------------------------------
     @cached_property

@@ -23,6 +23,7 @@ import torch
 from rlfleet.weightsync._cupy import import_nccl
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import MetadataError, PeerLostError, SyncTimeoutError
+from rlfleet.weightsync._json import decode_json
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._rendezvous import RendezvousTimeoutError, check_in
 from rlfleet.weightsync._wire import DEFAULT_DIRECT_MIN_BYTES, ProtocolReceiver, ProtocolSender
@@ -39,12 +40,7 @@ def encode_unique_id(uid: Any) -> str:
 
 def decode_unique_id(text: str | bytes) -> bytes | tuple[int, ...]:
     """Inverse of `encode_unique_id`; malformed input raises MetadataError."""
-    try:
-        data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MetadataError(f"NCCL unique id is not valid JSON: {exc}") from None
-    except RecursionError:  # "[[[[..." nested deeper than the decoder's stack
-        raise MetadataError("NCCL unique id is nested too deeply") from None
+    data = decode_json(text, "NCCL unique id")
     if isinstance(data, dict) and isinstance(data.get("b64"), str):
         try:
             raw = base64.b64decode(data["b64"], validate=True)

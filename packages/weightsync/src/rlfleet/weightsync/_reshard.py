@@ -65,6 +65,7 @@ from rlfleet.weightsync._errors import (
     VersionError,
     WeightSyncError,
 )
+from rlfleet.weightsync._json import decode_json
 from rlfleet.weightsync._layout import DEFAULT_BUCKET_BYTES, MAX_METADATA_BYTES, Layout
 from rlfleet.weightsync._nccl import NcclWire, _NcclPending
 from rlfleet.weightsync._packing import bucket_starts, typed_view
@@ -212,12 +213,7 @@ class RankProgram:
         if isinstance(value, RankProgram):
             return value
         if isinstance(value, (str, bytes)):
-            if len(value) > MAX_METADATA_BYTES:
-                raise MetadataError(f"rank program is {len(value)} bytes, over {MAX_METADATA_BYTES}")
-            try:
-                value = json.loads(value)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise MetadataError(f"rank program is not valid JSON: {exc}") from None
+            value = decode_json(value, "rank program", MAX_METADATA_BYTES)
         return cls.from_dict(value)
 
     @classmethod
@@ -616,10 +612,7 @@ def _encode_header(payload: dict[str, Any]) -> bytes:
 
 
 def _decode_header(raw: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(raw.rstrip(b"\0"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MetadataError(f"reshard header is not valid JSON: {exc}") from None
+    data = decode_json(raw.rstrip(b"\0"), "reshard header")
     if not isinstance(data, dict) or data.get("magic") != MAGIC or data.get("format") != RESHARD_FORMAT:
         raise MetadataError("reshard header has the wrong magic or format")
     _int(data.get("version"), "reshard header 'version'", -(2**62))
