@@ -239,3 +239,23 @@ def write_readonly(name: str) -> None:
     """Attach read-only and write: the process must die of SIGSEGV, not corrupt the segment."""
     segment = SharedSegment.attach(name, readonly=True)
     segment.tensor()[0] = 255
+
+
+def copying_reader(name: str, versions: tuple[int, ...], queue: Any) -> None:
+    """Keep private weights (a DoubleBuffer) fed from the node's shared buffer, version by version."""
+    reader = SharedBufferReader.attach(name, timeout_s=TIMEOUT)
+    module = module_for(reader.layout)
+    buffer = DoubleBuffer(dict(module.state_dict(keep_vars=True)), reader.layout)
+    lo, hi = reader.data_range()
+    try:
+        for version in versions:
+            try:
+                reader.copy_version(version, buffer, TIMEOUT)
+            except Exception as exc:  # reported, the process goes on with what it has
+                queue.put((version, type(exc).__name__, str(exc), checksum(dict(module.state_dict()))))
+                continue
+            state = dict(module.state_dict())
+            private = all(not lo <= t.data_ptr() < hi for t in state.values() if t.numel())
+            queue.put((version, "ok", private, checksum(state)))
+    finally:
+        reader.close()

@@ -14,6 +14,7 @@ import torch
 
 from rlfleet.weightsync import (
     BucketConsumer,
+    ChecksumMismatchError,
     DirectBuffer,
     DoubleBuffer,
     IncompleteSyncError,
@@ -345,21 +346,27 @@ def test_shared_writer_never_overwrites_a_slot_in_use() -> None:
     layout = w.layout_of(w.make_state(1), BUCKET)
     with SharedBuffer(layout, 2, timeout_s=0.2) as shared:
         reader = SharedBufferReader.attach(shared.name, 0)
+        late = SharedBufferReader.attach(shared.name, 1)
         shared.publish(w.make_state(1), 1)
         assert reader.refresh() == 1
         shared.publish(w.make_state(2), 2)  # the other slot: fine
-        with pytest.raises(SyncTimeoutError, match="reader 0"):
-            shared.publish(w.make_state(3), 3)  # would overwrite v1, which reader 0 still uses
-        assert shared.version == 2
+        # nobody moved to v2 yet: v3 replaces it rather than wait for reader 0 to leave v1
+        shared.publish(w.make_state(3), 3)
         assert reader.version == 1
         assert checksum(reader.tensors()) == checksum(w.make_state(1))
-        assert reader.latest_version() == 2
-        assert reader.refresh() == 2
-        shared.publish(w.make_state(3), 3)
-        assert checksum(reader.tensors()) == checksum(w.make_state(2))
+        assert late.refresh() == 3
+        with pytest.raises(SyncTimeoutError, match="reader 0"):
+            shared.publish(w.make_state(4), 4)  # both slots are read: v1 (reader 0), v3 (reader 1)
+        assert shared.version == 3
+        assert checksum(reader.tensors()) == checksum(w.make_state(1))
+        assert checksum(late.tensors()) == checksum(w.make_state(3))
         assert reader.refresh() == 3
+        shared.publish(w.make_state(4), 4)
         assert checksum(reader.tensors()) == checksum(w.make_state(3))
+        assert reader.refresh() == 4
+        assert checksum(reader.tensors()) == checksum(w.make_state(4))
         reader.close()
+        late.close()
 
 
 def test_shared_writer_ignores_dead_readers() -> None:
@@ -415,3 +422,116 @@ def test_ring_into_a_shared_buffer_feeds_every_local_reader() -> None:
             assert checksum(dict(module.state_dict())) == checksum(state)
             reader.close()
         receiver.close()
+
+
+# -- Shared: checksums and copying readers ----------------------------------------------------
+def _flip_byte(shared: SharedBuffer, version: int, tensor: str) -> None:
+    """Corrupt one byte of `tensor` in the committed slot holding `version` (as a stray write would)."""
+    slot = shared._header.slot_holding(version)
+    assert slot is not None
+    offset = shared.layout[tensor].offset
+    start = shared._starts[shared.layout[tensor].bucket]
+    shared._slots[slot][start + offset] ^= 0x10
+
+
+def _big_tensor(layout: Layout) -> str:
+    return max(layout.tensors, key=lambda t: t.nbytes).name
+
+
+def test_shared_checksums_keep_a_zero_copy_reader_on_its_version_when_the_next_is_corrupted() -> None:
+    layout = w.layout_of(w.make_state(1), BUCKET)
+    with SharedBuffer(layout, 1, timeout_s=w.TIMEOUT, checksums=True) as shared:
+        reader = SharedBufferReader.attach(shared.name, expected_layout=layout)
+        module = w.module_for(layout)
+        reader.bind_module(module)
+        assert reader.checksums
+        shared.publish(w.make_state(1), 1)
+        assert reader.refresh() == 1
+        shared.publish(w.make_state(2), 2)
+        _flip_byte(shared, 2, _big_tensor(layout))
+        with pytest.raises(ChecksumMismatchError, match=r"bucket \d+ of version 2"):
+            reader.refresh()
+        assert reader.version == 1
+        assert checksum(dict(module.state_dict())) == checksum(w.make_state(1))
+        shared.publish(w.make_state(3), 3)  # the corrupted slot is not in use: the writer reuses it
+        assert reader.refresh() == 3
+        assert checksum(dict(module.state_dict())) == checksum(w.make_state(3))
+        reader.close()
+
+
+def test_shared_without_checksums_does_not_verify() -> None:
+    layout = w.layout_of(w.make_state(1), BUCKET)
+    shared = SharedBuffer(layout, 1, timeout_s=w.TIMEOUT)
+    with shared, SharedBufferReader.attach(shared.name) as reader:
+        assert not reader.checksums
+        shared.publish(w.make_state(1), 1)
+        _flip_byte(shared, 1, _big_tensor(layout))
+        assert reader.refresh() == 1  # nothing to check against: the caller chose speed
+
+
+@pytest.mark.timeout(400)
+def test_copying_readers_in_processes_take_each_version_privately_and_refuse_corruption() -> None:
+    readers = 2
+    layout = w.layout_of(w.make_state(1), BUCKET)
+    ctx = w.context()
+    queue = ctx.Queue()
+    versions = (1, 2, 3)
+    with SharedBuffer(layout, readers, timeout_s=w.TIMEOUT, checksums=True) as shared, w.processes() as procs:
+        for _ in range(readers):
+            w.start(procs, w.copying_reader, shared.name, versions, queue)
+        for version in versions:
+            shared.publish(w.make_state(version), version)
+            if version == 3:
+                _flip_byte(shared, 3, _big_tensor(layout))
+            results = [queue.get(timeout=w.TIMEOUT) for _ in range(readers)]
+            for got, status, *rest in results:
+                assert got == version
+                if version < 3:
+                    private, digest = rest
+                    assert status == "ok"
+                    assert private, "a copying reader keeps its own weights, not views of the segment"
+                    assert digest == checksum(w.make_state(version))
+                else:
+                    message, digest = rest
+                    assert status == "ChecksumMismatchError", message
+                    assert "version 3" in message
+                    assert digest == checksum(w.make_state(2))  # nothing applied
+
+
+def test_copy_version_pins_its_slot_and_checks_versions_and_layouts() -> None:
+    layout = w.layout_of(w.make_state(1), BUCKET)
+    with SharedBuffer(layout, 2, timeout_s=0.2) as shared:
+        copier_reader = SharedBufferReader.attach(shared.name, 0)
+        viewer = SharedBufferReader.attach(shared.name, 1)
+        module = w.module_for(layout)
+        target = DoubleBuffer(live_tensors(module), layout)
+        shared.publish(w.make_state(1), 1)
+        entered, release = threading.Event(), threading.Event()
+        original = target.consume
+
+        def slow_consume(index: int, data: torch.Tensor) -> None:
+            entered.set()
+            release.wait(w.TIMEOUT)
+            original(index, data)
+
+        target.consume = slow_consume  # type: ignore[method-assign]
+        copier = threading.Thread(target=copier_reader.copy_version, args=(1, target, w.TIMEOUT))
+        copier.start()
+        assert entered.wait(w.TIMEOUT)
+        shared.publish(w.make_state(2), 2)  # the other slot
+        assert viewer.refresh() == 2
+        with pytest.raises(SyncTimeoutError, match="reader 0"):
+            shared.publish(w.make_state(3), 3)  # would overwrite v1 while it is copied
+        release.set()
+        copier.join(w.TIMEOUT)
+        assert target.version == 1
+        assert checksum(dict(module.state_dict())) == checksum(w.make_state(1))
+        shared.publish(w.make_state(3), 3)  # v1's slot is free again
+        assert checksum(viewer.tensors()) == checksum(w.make_state(2))
+        with pytest.raises(VersionError, match="version 1 is no longer there"):
+            copier_reader.copy_version(1, DoubleBuffer(live_tensors(w.module_for(layout)), layout), w.TIMEOUT)
+        other = w.layout_of(dict(w.make_state(1), step=torch.zeros(3, dtype=torch.int64)), BUCKET)
+        with pytest.raises(LayoutMismatchError, match="'step'"):
+            copier_reader.copy_version(3, DoubleBuffer(live_tensors(w.module_for(other)), other), w.TIMEOUT)
+        copier_reader.close()
+        viewer.close()

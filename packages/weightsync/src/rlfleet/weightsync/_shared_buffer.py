@@ -9,9 +9,19 @@ zero-copy views of the newest committed slot, so per-node weight memory is two m
 whatever the number of receivers.
 
 Safety: each reader records in the header which slot it is bound to (with its pid and start
-time). The writer marks the slot it is about to write, then waits, under a deadline, until no
-live reader is bound to it; readers pick slots and writers claim them under an flock on the
-segment, which the kernel releases if its holder dies. A dead reader's marker is ignored.
+time), and which slot it pins while it checks or copies one. The writer marks the slot it is
+about to write, then waits, under a deadline, until no live reader is bound to it or pins it;
+readers pick slots and writers claim them under an flock on the segment, which the kernel
+releases if its holder dies. A dead reader's marker is ignored.
+
+Integrity: with ``checksums=True`` the writer stores a CRC32 per bucket of each committed slot;
+a reader verifies a slot before it binds to it (`refresh`) or copies it (`copy_version`), so a
+byte corrupted in shared memory is refused (`ChecksumMismatchError`) and nothing is applied.
+Readers also check the writer's layout digest when they attach (an error names the parameter).
+
+Two kinds of reader: zero-copy readers (`refresh`, strategy "Shared") compute with views of
+the slot; copying readers (`copy_version`) hand a version's buckets to their own
+`BucketConsumer` (a private Direct/Double buffer fed from the node's one written copy).
 """
 
 from __future__ import annotations
@@ -24,9 +34,18 @@ import torch
 
 from rlfleet.weightsync._buffers import BufferBase
 from rlfleet.weightsync._deadline import Backoff, Deadline
-from rlfleet.weightsync._errors import LayoutMismatchError, MetadataError, PeerLostError, WeightSyncError
+from rlfleet.weightsync._errors import (
+    ChecksumMismatchError,
+    LayoutMismatchError,
+    MetadataError,
+    PeerLostError,
+    VersionError,
+    WeightSyncError,
+)
+from rlfleet.weightsync._integrity import bucket_checksum
 from rlfleet.weightsync._layout import Layout
-from rlfleet.weightsync._packing import flat_views
+from rlfleet.weightsync._packing import bucket_starts, flat_views
+from rlfleet.weightsync._protocol import BucketConsumer
 from rlfleet.weightsync._shm import PAGE, SharedSegment, page_align, process_alive, process_identity
 
 __all__ = ["SharedBuffer", "SharedBufferReader"]
@@ -34,18 +53,18 @@ __all__ = ["SharedBuffer", "SharedBufferReader"]
 _log = logging.getLogger(__name__)
 
 MAGIC = 0x524C46_53484152  # "RLF" "SHAR"
-FORMAT = 1
+FORMAT = 2
 SLOTS = 2
 G_MAGIC, G_FORMAT, G_NUM_READERS, G_SLOT_BYTES = 0, 1, 2, 3
 G_LAYOUT_LEN, G_LAYOUT_OFFSET, G_DATA_OFFSET, G_WRITER_PID = 4, 5, 6, 7
-G_WRITER_START, G_CLOSED = 8, 9
+G_WRITER_START, G_CLOSED, G_CHECKSUMS, G_CRC_OFFSET, G_NUM_BUCKETS = 8, 9, 10, 11, 12
 G_DIGEST = 16  # 4 words
 SLOT_BASE, SLOT_WORDS = 24, 2
 S_VERSION, S_STATE = 0, 1
 EMPTY, WRITING, COMMITTED = 0, 1, 2
 READER_BASE = SLOT_BASE + SLOT_WORDS * SLOTS
-READER_WORDS = 4
-R_PID, R_START, R_IN_USE, R_VERSION = 0, 1, 2, 3
+READER_WORDS = 5
+R_PID, R_START, R_IN_USE, R_VERSION, R_PIN = 0, 1, 2, 3, 4
 MAX_READERS = 4096
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -82,8 +101,19 @@ class _Header:
                 best = j
         return best
 
+    def slot_holding(self, version: int) -> int | None:
+        """The committed slot whose version is exactly `version`, if any."""
+        for j in range(SLOTS):
+            if self.get(self.slot(j, S_STATE)) == COMMITTED and self.get(self.slot(j, S_VERSION)) == version:
+                return j
+        return None
+
     def reader_alive(self, i: int) -> bool:
         return process_alive(self.get(self.reader(i, R_PID)), self.get(self.reader(i, R_START)))
+
+
+def _crc_table_bytes(num_buckets: int) -> int:
+    return 8 * SLOTS * num_buckets
 
 
 class SharedBuffer(BufferBase):
@@ -91,7 +121,8 @@ class SharedBuffer(BufferBase):
 
     ``SharedBuffer(layout, num_readers)`` creates the segment; hand `name` to the receivers on
     the node (`SharedBufferReader.attach`). `begin` waits, at most ``timeout_s``, for readers
-    still bound to the slot it needs to refresh onto the newer one.
+    still bound to the slot it needs to refresh onto the newer one. ``checksums=True`` stores
+    a CRC32 per bucket of every committed version, which readers verify before using it.
     """
 
     def __init__(
@@ -101,6 +132,7 @@ class SharedBuffer(BufferBase):
         *,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         prefix: str = "rlfleet",
+        checksums: bool = False,
     ) -> None:
         if (
             isinstance(num_readers, bool)
@@ -111,10 +143,13 @@ class SharedBuffer(BufferBase):
         super().__init__(layout)
         self.num_readers = num_readers
         self.timeout_s = timeout_s
+        self.checksums = bool(checksums)
         layout_json = layout.to_json()
         words = _words(num_readers)
         layout_offset = (words * 8 + 63) // 64 * 64
-        data_offset = page_align(layout_offset + len(layout_json))
+        num_buckets = len(layout.buckets)
+        crc_offset = (layout_offset + len(layout_json) + 63) // 64 * 64
+        data_offset = page_align(crc_offset + _crc_table_bytes(num_buckets))
         self.slot_bytes = max(PAGE, page_align(layout.padded_bytes))
         self._segment = SharedSegment.create(data_offset + SLOTS * self.slot_bytes, prefix=prefix)
         buf = self._segment.buffer
@@ -132,10 +167,17 @@ class SharedBuffer(BufferBase):
             (G_DATA_OFFSET, data_offset),
             (G_WRITER_PID, pid),
             (G_WRITER_START, start),
+            (G_CHECKSUMS, int(self.checksums)),
+            (G_CRC_OFFSET, crc_offset),
+            (G_NUM_BUCKETS, num_buckets),
         ):
             header.set(word, value)
+        self._crcs = np.frombuffer(buf, dtype=np.int64, count=SLOTS * num_buckets, offset=crc_offset).reshape(
+            SLOTS, num_buckets
+        )
         for i in range(num_readers):
             header.set(header.reader(i, R_IN_USE), -1)
+            header.set(header.reader(i, R_PIN), -1)
         header.set(G_MAGIC, MAGIC)
         self._slots = [
             self._segment.tensor(data_offset + j * self.slot_bytes, self.slot_bytes) for j in range(SLOTS)
@@ -165,6 +207,10 @@ class SharedBuffer(BufferBase):
         with self._segment.locked(deadline, "claiming a slot"):
             newest = header.newest()
             target = 0 if newest is None else 1 - newest
+            # the older slot is still read but nobody took the newest (it was refused, or
+            # skipped): overwrite the newest rather than wait; readers go from older to ours
+            if newest is not None and self._reader_on(target) is not None and self._reader_on(newest) is None:
+                target = newest
             previous_state = header.get(header.slot(target, S_STATE))
             header.set(header.slot(target, S_STATE), WRITING)
         backoff = Backoff()
@@ -184,9 +230,11 @@ class SharedBuffer(BufferBase):
         self._writing = target
 
     def _reader_on(self, slot: int) -> int | None:
+        """A live reader bound to `slot`, or pinning it to check or copy it."""
         header = self._header
         for i in range(self.num_readers):
-            if header.get(header.reader(i, R_IN_USE)) == slot and header.reader_alive(i):
+            uses = (header.get(header.reader(i, R_IN_USE)), header.get(header.reader(i, R_PIN)))
+            if slot in uses and header.reader_alive(i):
                 return i
         return None
 
@@ -201,6 +249,10 @@ class SharedBuffer(BufferBase):
     def _publish(self, version: int) -> None:
         header, target = self._header, self._writing
         assert target is not None
+        if self.checksums:  # of the bytes as they lie in the slot: what readers will check
+            slot = self._slots[target]
+            for bucket, start in zip(self._layout.buckets, self._starts, strict=True):
+                self._crcs[target, bucket.index] = bucket_checksum(slot[start : start + bucket.nbytes])
         with self._segment.locked(self._deadline(), "publishing a version"):
             header.set(header.slot(target, S_VERSION), version)
             header.set(header.slot(target, S_STATE), COMMITTED)
@@ -254,6 +306,7 @@ class SharedBuffer(BufferBase):
         self._slots = []
         self._views = {}
         self._header = _Header(np.zeros(_words(self.num_readers), dtype=np.int64))
+        self._crcs = np.zeros((SLOTS, len(self._layout.buckets)), dtype=np.int64)
         self._segment.close()
         self._segment.unlink()
 
@@ -269,7 +322,8 @@ class SharedBufferReader:
 
     Writes through the bound tensors fault (the mapping is read-only), so receivers cannot
     corrupt each other's weights. Call `refresh()` when idle (between requests) to move to the
-    newest committed version; the writer waits for readers to leave the older slot.
+    newest committed version; the writer waits for readers to leave the older slot. A reader
+    that keeps private weights instead takes each version with `copy_version`.
     """
 
     def __init__(
@@ -279,12 +333,15 @@ class SharedBufferReader:
         reader_index: int,
         layout: Layout,
         slots: list[torch.Tensor],
+        crcs: np.ndarray | None = None,
     ) -> None:
         self._segment = segment
         self._header = header
         self.reader_index = reader_index
         self.layout = layout
         self._slots = slots
+        self._crcs = crcs  # per slot, per bucket CRC32 when the writer stores them
+        self._starts = bucket_starts(layout)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._slot: int | None = None
         self._version = -1
@@ -318,18 +375,27 @@ class SharedBufferReader:
             num_readers, slot_bytes = int(probe[G_NUM_READERS]), int(probe[G_SLOT_BYTES])
             data_offset, layout_offset = int(probe[G_DATA_OFFSET]), int(probe[G_LAYOUT_OFFSET])
             layout_len = int(probe[G_LAYOUT_LEN])
+            crc_offset, num_buckets = int(probe[G_CRC_OFFSET]), int(probe[G_NUM_BUCKETS])
             if (
                 not 1 <= num_readers <= MAX_READERS
                 or data_offset % PAGE
                 or data_offset + SLOTS * slot_bytes != segment.size
-                or not 0 < layout_offset < layout_offset + layout_len <= data_offset
+                or not 0 < layout_offset < layout_offset + layout_len <= crc_offset
+                or num_buckets < 0
+                or crc_offset % 8
+                or crc_offset + _crc_table_bytes(num_buckets) > data_offset
             ):
                 raise MetadataError(f"shared buffer {name!r} has an inconsistent header")
             control = segment.map_region(0, data_offset)
             header = _Header(np.frombuffer(control, dtype=np.int64, count=_words(num_readers)))
             layout = Layout.from_json(bytes(control[layout_offset : layout_offset + layout_len]))
-            if layout.padded_bytes > slot_bytes:
+            if layout.padded_bytes > slot_bytes or len(layout.buckets) != num_buckets:
                 raise MetadataError(f"shared buffer {name!r}: layout does not fit its slots")
+            crcs = None
+            if probe[G_CHECKSUMS]:
+                crcs = np.frombuffer(
+                    control, dtype=np.int64, count=SLOTS * num_buckets, offset=crc_offset
+                ).reshape(SLOTS, num_buckets)
             if expected_layout is not None and expected_layout.digest != layout.digest:
                 problem = expected_layout.diff(layout) or "digests differ"
                 param = problem.split("'")[1] if "'" in problem else None
@@ -342,10 +408,11 @@ class SharedBufferReader:
             with segment.locked(deadline, "claiming a reader index"):
                 index = cls._claim_index(header, num_readers, reader_index, name)
                 header.set(header.reader(index, R_IN_USE), -1)
+                header.set(header.reader(index, R_PIN), -1)
                 header.set(header.reader(index, R_VERSION), -1)
                 header.set(header.reader(index, R_START), my_start)
                 header.set(header.reader(index, R_PID), me)
-            return cls(segment, header, index, layout, slots)
+            return cls(segment, header, index, layout, slots, crcs)
         except BaseException:
             segment.close()
             raise
@@ -374,8 +441,38 @@ class SharedBufferReader:
         newest = self._header.newest()
         return -1 if newest is None else self._header.get(self._header.slot(newest, S_VERSION))
 
+    @property
+    def checksums(self) -> bool:
+        """True when the writer stores per-bucket CRC32s (and this reader verifies them)."""
+        return self._crcs is not None
+
+    def _bucket(self, slot: int, index: int) -> torch.Tensor:
+        start = self._starts[index]
+        return self._slots[slot][start : start + self.layout.buckets[index].nbytes]
+
+    def _verify_bucket(self, slot: int, index: int, version: int) -> torch.Tensor:
+        """Bucket `index` of `slot`, checked against the writer's CRC32 when it stored one."""
+        data = self._bucket(slot, index)
+        if self._crcs is not None:
+            expected = int(self._crcs[slot, index])
+            got = bucket_checksum(data)
+            if got != expected:
+                raise ChecksumMismatchError(
+                    f"shared buffer {self.name}: bucket {index} of version {version} fails its checksum "
+                    f"(crc32 {got:#010x}, writer stored {expected:#010x}): corrupted in shared memory; "
+                    "nothing applied"
+                )
+        return data
+
+    def _pin(self, slot: int) -> None:
+        self._header.set(self._header.reader(self.reader_index, R_PIN), slot)
+
     def refresh(self, deadline: Deadline | float | None = None) -> int:
-        """Bind to the newest committed version (no-op if already there); returns the bound version."""
+        """Bind to the newest committed version (no-op if already there); returns the bound version.
+
+        With checksums on, the new version is verified first; a corrupted one raises
+        ChecksumMismatchError and the reader stays on the version it had.
+        """
         deadline = Deadline.coerce(deadline if deadline is not None else DEFAULT_TIMEOUT_S)
         header, me = self._header, self.reader_index
         if header.get(G_CLOSED) and self._slot is not None:
@@ -387,16 +484,21 @@ class SharedBufferReader:
             version = header.get(header.slot(newest, S_VERSION))
             if newest == self._slot and version == self._version:
                 return version
-            header.set(header.reader(me, R_IN_USE), newest)
-            header.set(header.reader(me, R_VERSION), version)
+            self._pin(newest)  # the writer leaves it alone while we check it
+        try:
+            if self._crcs is not None:
+                for index in range(len(self.layout.buckets)):
+                    self._verify_bucket(newest, index, version)
+            with self._segment.locked(deadline, "binding to the newest version"):
+                header.set(header.reader(me, R_IN_USE), newest)
+                header.set(header.reader(me, R_VERSION), version)
+        finally:
+            self._pin(-1)
         self._slot, self._version = newest, version
         self._rebind()
         return version
 
-    def wait_for_version(self, minimum: int, deadline: Deadline | float | None = None) -> int:
-        """Poll until a version >= `minimum` is committed, then bind to it."""
-        deadline = Deadline.coerce(deadline if deadline is not None else DEFAULT_TIMEOUT_S)
-
+    def _wait_committed(self, minimum: int, deadline: Deadline) -> None:
         def ready() -> bool:
             return self.latest_version() >= minimum
 
@@ -408,7 +510,56 @@ class SharedBufferReader:
                 raise PeerLostError(f"shared buffer {self.name}: writer is gone before version {minimum}")
 
         deadline.poll(ready, f"shared buffer {self.name}: version {minimum}", on_wait=writer_alive)
+
+    def wait_for_version(self, minimum: int, deadline: Deadline | float | None = None) -> int:
+        """Poll until a version >= `minimum` is committed, then bind to it."""
+        deadline = Deadline.coerce(deadline if deadline is not None else DEFAULT_TIMEOUT_S)
+        self._wait_committed(minimum, deadline)
         return self.refresh(deadline)
+
+    def copy_version(
+        self, version: int, consumer: BucketConsumer, deadline: Deadline | float | None = None
+    ) -> int:
+        """Hand version `version` to `consumer` (begin, every bucket, commit) once it is committed.
+
+        For a reader that keeps private weights (a Direct or Double buffer) but shares the
+        node's one written copy. The slot is pinned while it is read; with checksums on, each
+        bucket is verified before the consumer sees it. Any failure aborts the consumer, which
+        keeps its previous version. VersionError if the writer already replaced `version`.
+        """
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise VersionError(f"version must be an int, got {version!r}")
+        deadline = Deadline.coerce(deadline if deadline is not None else DEFAULT_TIMEOUT_S)
+        if consumer.layout.digest != self.layout.digest:
+            problem = consumer.layout.diff(self.layout) or "digests differ"
+            param = problem.split("'")[1] if "'" in problem else None
+            raise LayoutMismatchError(
+                f"shared buffer {self.name!r}: consumer layout vs writer: {problem}", param
+            )
+        self._wait_committed(version, deadline)
+        header = self._header
+        with self._segment.locked(deadline, f"pinning version {version}"):
+            slot = header.slot_holding(version)
+            if slot is None:
+                raise VersionError(
+                    f"shared buffer {self.name}: version {version} is no longer there "
+                    f"(the writer moved on to {self.latest_version()})"
+                )
+            self._pin(slot)
+        began = False
+        try:
+            consumer.begin(version)
+            began = True
+            for index in range(len(self.layout.buckets)):
+                consumer.consume(index, self._verify_bucket(slot, index, version))
+            consumer.commit(version)
+        except BaseException as exc:
+            if began:
+                consumer.abort(exc)
+            raise
+        finally:
+            self._pin(-1)
+        return version
 
     # -- views and binding ----------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -456,6 +607,7 @@ class SharedBufferReader:
             return
         header, me = self._header, self.reader_index
         header.set(header.reader(me, R_IN_USE), -1)
+        header.set(header.reader(me, R_PIN), -1)
         header.set(header.reader(me, R_PID), 0)
         self._bound = []
         self._views = {}
