@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from rlfleet.weightsync._buffers import BufferBase
+from rlfleet.weightsync._copy import copy_tensors
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
@@ -266,9 +267,16 @@ class SharedBuffer(BufferBase):
 
     # -- direct path ------------------------------------------------------------------------
     def publish(
-        self, state_dict: Mapping[str, torch.Tensor], version: int, deadline: Deadline | float | None = None
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        deadline: Deadline | float | None = None,
+        threads: int | None = None,
     ) -> None:
-        """Pack `state_dict` straight into the free slot and commit it as `version` (one copy)."""
+        """Pack `state_dict` straight into the free slot and commit it as `version` (one copy).
+
+        The copy is shared among `threads` threads (default: this process's CPUs, at most 8).
+        """
         deadline = Deadline.coerce(deadline) if deadline is not None else self._deadline()
         self._layout.check_state_dict(state_dict)
         self._begin_deadline = deadline
@@ -281,8 +289,8 @@ class SharedBuffer(BufferBase):
                 assert self._writing is not None
                 targets = self._slot_views(self._writing)
                 sources = [state_dict[name].detach() for name in self._layout.names]
-                # One call for every tensor: no per-tensor Python overhead for 1000s of small ones.
-                torch._foreach_copy_(targets, sources)
+                # foreach copies per thread: no per-tensor Python overhead for 1000s of small ones
+                copy_tensors(targets, sources, threads)
                 self._received.update(range(len(self._layout.buckets)))
             self.commit(version)
         except BaseException as exc:

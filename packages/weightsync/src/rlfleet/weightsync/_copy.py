@@ -1,0 +1,112 @@
+"""Copy many tensors at memory bandwidth: the bytes are split across a few threads.
+
+One thread copies at about a third of what the memory bus gives (measured: 5.8 GB/s for one
+thread, 11.4 GB/s for two on the 2-core dev box), and a worker process usually runs torch
+with one intra-op thread. torch releases the GIL inside `copy_`, so plain Python threads,
+each copying a contiguous share of the bytes, reach the bus. Used where one process writes a
+whole model (a node's shared buffer, once per version).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["copy_tensors", "default_copy_threads"]
+
+#: Below this many bytes per thread a split costs more than it saves.
+MIN_BYTES_PER_THREAD = 16 * 1024 * 1024
+MAX_THREADS = 8
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def default_copy_threads() -> int:
+    """The CPUs this process may run on, capped at 8 (more threads do not add bandwidth)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cpus))
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="rlfleet-copy")
+        return _pool
+
+
+def _pieces(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], share: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(dst, src) pairs of about `share` bytes or less: large contiguous pairs are cut into ranges."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for dst, src in zip(dsts, srcs, strict=True):
+        nbytes = dst.numel() * dst.element_size()
+        splittable = (
+            nbytes > share
+            and dst.is_contiguous()
+            and src.is_contiguous()
+            and dst.dtype == src.dtype
+            and dst.device.type == src.device.type == "cpu"
+            and dst.numel() == src.numel()
+        )
+        if not splittable:
+            out.append((dst, src))
+            continue
+        flat_dst, flat_src = dst.view(-1), src.view(-1)
+        step = max(1, share // dst.element_size())
+        for start in range(0, dst.numel(), step):
+            out.append((flat_dst[start : start + step], flat_src[start : start + step]))
+    return out
+
+
+def copy_tensors(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], threads: int | None = None
+) -> None:
+    """``dst.copy_(src)`` for every pair, the bytes shared among `threads` threads.
+
+    Same result as ``torch._foreach_copy_(dsts, srcs)`` (which it uses for each thread's
+    share); small totals and ``threads=1`` stay on the calling thread.
+    """
+    if len(dsts) != len(srcs):
+        raise ValueError(f"copy_tensors: {len(dsts)} destinations but {len(srcs)} sources")
+    threads = default_copy_threads() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"copy_tensors: threads must be >= 1, got {threads}")
+    total = sum(d.numel() * d.element_size() for d in dsts)
+    threads = min(threads, MAX_THREADS, max(1, total // MIN_BYTES_PER_THREAD))
+    if threads == 1 or not dsts:
+        if dsts:
+            torch._foreach_copy_(list(dsts), list(srcs))
+        return
+    pieces = _pieces(dsts, srcs, -(-total // (threads * 4)))  # ~4 pieces per thread: balance
+    # greedy: the largest pieces first, each to the least loaded thread
+    loads = [0] * threads
+    shares: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(threads)]
+    for dst, src in sorted(pieces, key=lambda p: -p[0].numel() * p[0].element_size()):
+        i = loads.index(min(loads))
+        shares[i][0].append(dst)
+        shares[i][1].append(src)
+        loads[i] += dst.numel() * dst.element_size()
+    futures = [_executor().submit(torch._foreach_copy_, d, s) for d, s in shares[1:] if d]
+    first_error: BaseException | None = None
+    try:
+        if shares[0][0]:
+            torch._foreach_copy_(shares[0][0], shares[0][1])
+    except BaseException as exc:  # still wait for the others: nobody may write after we return
+        first_error = exc
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as exc:
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
