@@ -3,11 +3,11 @@
 `arm(point, action, arg)` makes the worker misbehave once, the next time it reaches `point`:
 
 - points: "consume" (right after it took a received bucket: mid-transfer), "stage" / "recv" /
-  "send" / "write" / "publish" / "apply" (entry of those weight-sync calls), "join" (entry
+  "send" / "publish" / "apply" (entry of those weight-sync calls), "join" (entry
   of `init_distributed_env`);
 - actions: "die" (SIGKILL itself), "kill" (SIGKILL pid `arg`: a receiver kills its sender
   between two buckets), "hang" (block until `release()` or `arg` seconds, then fail),
-  "corrupt" (at "stage" only: flip one byte of the node segment before reading it).
+  "corrupt" (at "stage" only: flip one byte of the node's shared buffer before reading it).
 
 `mutate(kind)` rebuilds the model with one parameter renamed, reshaped or of another dtype.
 """
@@ -173,15 +173,27 @@ class FaultPolicy(BasePolicy):
         return int(self._recording(super().stage_from_segment, name, version, *deps))
 
     def _corrupt_segment(self, name: str, version: int) -> None:
-        """Flip one byte of the first tensor in the node segment slot that holds `version`."""
+        """Flip one byte of the first tensor of `version` in the node's shared buffer `name`
+        (its writer committed it: this call only runs once the writer's publish returned)."""
+        import numpy as np
+
+        from rlfleet.weightsync import SharedSegment, bucket_starts
+        from rlfleet.weightsync._shared_buffer import G_DATA_OFFSET, G_SLOT_BYTES, SLOT_BASE, _Header
+
         layout = self._require_layout()
-        pos = (version % 2) * layout.padded_bytes + layout.tensors[0].offset
-        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
+        segment = SharedSegment.attach(name)
         try:
-            byte = os.pread(fd, 1, pos)
-            os.pwrite(fd, bytes([byte[0] ^ 0x40]), pos)
+            header = _Header(np.frombuffer(segment.buffer, dtype=np.int64, count=SLOT_BASE + 8))
+            slot = header.slot_holding(version)
+            assert slot is not None, f"version {version} is not in {name}"
+            first = layout.tensors[0]
+            start = bucket_starts(layout)[first.bucket]
+            pos = header.get(G_DATA_OFFSET) + slot * header.get(G_SLOT_BYTES) + start + first.offset
+            data = segment.tensor(pos, 1)
+            data[0] ^= 0x40
+            del data, header
         finally:
-            os.close(fd)
+            segment.close()
 
     def recv_broadcast(self, group_id: str, src_rank: int, version: int, timeout_s: float) -> int:
         self._fire("recv")
@@ -191,10 +203,6 @@ class FaultPolicy(BasePolicy):
     def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float) -> int:
         self._fire("send")
         return super().send_broadcast(group_id, version, bucket_bytes, timeout_s)
-
-    def write_segment(self, name: str, version: int, bucket_bytes: int) -> str:
-        self._fire("write")
-        return super().write_segment(name, version, bucket_bytes)
 
     def publish_shared(self, version: int, timeout_s: float) -> int:
         self._fire("publish")

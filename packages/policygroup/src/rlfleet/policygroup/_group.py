@@ -39,7 +39,7 @@ from rlfleet.policygroup._errors import (
 from rlfleet.policygroup._submitter import TaskSubmitter, actor_key, is_remote, resolve_object
 from rlfleet.policygroup._worker import BasePolicy, ParallelMode, PolicyRole
 from rlfleet.routing import NodeAffinityRouter, Router, UnknownWorkerError, create_router
-from rlfleet.weightsync import compare_fingerprints
+from rlfleet.weightsync import LayoutMismatchError, compare_fingerprints
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,16 @@ def _died_itself(policy: Any, exc: BaseException | None) -> bool:
     if dead is None or mine is None:
         return True
     return bool((dead if isinstance(dead, str) else dead.hex()) == mine.hex())
+
+
+def _vagueness(exc: BaseException) -> int:
+    """0 for a failure that names what is wrong (a layout error naming the parameter), else 1.
+
+    A sender only learns that a receiver "has a different layout"; the receiver names the
+    parameter, so its error is the one worth raising.
+    """
+    cause = _cause(exc)
+    return 0 if isinstance(cause, LayoutMismatchError) and cause.parameter else 1
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -143,6 +153,7 @@ class PolicyGroup:
         self._version = 0
         self._staged_version: int | None = None
         self._buffers_dirty = False
+        self._node_readers: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
         self._sharded_groups: dict[Any, str] = {}
         self._train_config: Any = None
         self._is_colocated = False
@@ -543,9 +554,6 @@ class PolicyGroup:
         except KeyError:
             return None
 
-    def _segment_name(self, node: Any) -> str:
-        return f"rlfleet-{self._uid}-{str(node)[:16]}"
-
     def init_weight_buffer(self) -> None:
         """Prepare every eval policy to receive weights with the configured strategy."""
         with self._lock:
@@ -561,30 +569,43 @@ class PolicyGroup:
             bucket_bytes = self.config.weight_buffer.bucket_bytes
             self._layout = self._call_all(self.train_list[:1], "get_weight_layout", bucket_bytes)[0]
             self.shared_weight_buffer_map = {}
-            calls: list[tuple[Policy, dict[str, Any] | None]] = []
-            if strategy == "Shared":
-                self._call_all(self.train_list + self.eval_list, "release_weight_buffers")
-                for node, entry in self.placement_info.items():
-                    evals = entry["eval_policies"]
-                    if not evals:
-                        continue
-                    writer = self._shared_writer_of(node)
-                    [name] = self._call_all(
-                        [writer], "create_shared_writer", self._layout, len(evals), f"rlfleet-{self._uid}"
-                    )
-                    spec = {"name": name, "node_id": node}
-                    self.shared_weight_buffer_map[node] = {
-                        "shared_weight_buffer": spec,
-                        "eval_policies": evals,
-                        "writer": writer,
-                    }
-                    calls += [(p, spec) for p in evals]
-            elif strategy == "Sharded":  # eval i of a node keeps share i of every version
+            specs: dict[Any, dict[str, Any]] = {self._wid(p): {} for p in self.eval_list}
+            self._call_all(self.train_list + self.eval_list, "release_weight_buffers")
+            # one weightsync SharedBuffer per node, written once per version: with "Shared" every
+            # eval of the node reads it zero-copy; otherwise the evals a trainer on their node
+            # feeds copy each version out of it (checksummed) into their own buffers
+            for node, entry in self.placement_info.items():
+                if strategy == "Shared":
+                    readers = list(entry["eval_policies"])
+                    writer = self._shared_writer_of(node) if readers else None
+                else:
+                    readers = list(self._plan.readers.get(node, []))
+                    writer = self._plan.writers.get(node) if readers else None
+                if writer is None:
+                    continue
+                [name] = self._call_all(
+                    [writer],
+                    "create_shared_writer",
+                    self._layout,
+                    len(readers),
+                    f"rlfleet-{self._uid}",
+                    self.config.weight_buffer.checksums,
+                )
+                spec = {"name": name, "node_id": node}
+                self.shared_weight_buffer_map[node] = {
+                    "shared_weight_buffer": spec,
+                    "eval_policies": readers,
+                    "writer": writer,
+                }
+                for p in readers:
+                    specs[self._wid(p)].update(spec)
+            if strategy == "Sharded":  # eval i of a node keeps share i of every version
                 for entry in self.placement_info.values():
                     evals = entry["eval_policies"]
-                    calls += [(p, {"rank": i, "world_size": len(evals)}) for i, p in enumerate(evals)]
-            else:
-                calls = [(p, None) for p in self.eval_list]
+                    for i, p in enumerate(evals):
+                        specs[self._wid(p)].update(rank=i, world_size=len(evals))
+            self._node_readers = self._node_reader_signature()
+            calls = [(p, specs[self._wid(p)] or None) for p in self.eval_list]
             refs = [
                 (p, self._invoke(p, "init_weight_buffer", spec, strategy=strategy, layout=self._layout))
                 for p, spec in calls
@@ -601,6 +622,13 @@ class PolicyGroup:
             for p, v in zip(self.eval_list, versions[len(self.train_list) :], strict=True):
                 self._router_add(p)
                 self.router.set_version(self._wid(p), int(v))  # what it really serves
+
+    def _node_reader_signature(self) -> dict[Any, tuple[Any, tuple[Any, ...]]]:
+        """Who writes and who copies from each node's buffer ("None"/"Double"/"Sharded" plans)."""
+        return {
+            node: (self._wid(writer), tuple(sorted(self._wid(r) for r in self._plan.readers.get(node, []))))
+            for node, writer in self._plan.writers.items()
+        }
 
     def _shared_writer_of(self, node: Any) -> Policy:
         """Who fills a node's shared buffer: its trainer, else the eval that receives for the node."""
@@ -752,6 +780,14 @@ class PolicyGroup:
         if not self.eval_list:
             return
         self._ensure_transfer_groups()
+        if self.weight_buffer_strategy != "Shared":
+            # a re-plan can give a node's trainer new readers: they must attach to its buffer
+            wired = self._node_reader_signature()
+            self._buffers_dirty |= any(
+                set(wired[n][1]) - set(self._node_readers.get(n, (None, ()))[1])
+                or wired[n][0] != self._node_readers.get(n, (None, ()))[0]
+                for n in wired
+            )
         if self._buffers_dirty:
             self._buffers_dirty = False
             self.init_weight_buffer()  # a node's shared-buffer writer or shard count changed
@@ -766,12 +802,9 @@ class PolicyGroup:
             calls: list[tuple[Policy, Any]] = []
             fills: dict[Any, Any] = {}
             for node, writer in self._plan.writers.items():
-                if strategy == "Shared":
-                    ref = self._invoke(writer, "publish_shared", version, timeout)
-                else:
-                    ref = self._invoke(
-                        writer, "write_segment", self._segment_name(node), version, bucket_bytes
-                    )
+                if node not in self.shared_weight_buffer_map:
+                    continue  # no eval on the node takes this trainer's bytes
+                ref = self._invoke(writer, "publish_shared", version, timeout)
                 calls.append((writer, ref))
                 fills[node] = ref
             for c in self._plan.cross:
@@ -789,11 +822,9 @@ class PolicyGroup:
             for node, readers in self._plan.readers.items():
                 dep = fills.get(node)
                 if dep is None:
-                    raise PolicyGroupError(f"send_weights: nothing fills the weight segment of node {node!r}")
+                    raise PolicyGroupError(f"send_weights: nothing fills the shared buffer of node {node!r}")
                 dep_arg = dep if isinstance(dep, ray.ObjectRef) else None
-                name = self._segment_name(node)
-                if strategy == "Shared":
-                    name = self.shared_weight_buffer_map[node]["shared_weight_buffer"]["name"]
+                name = self.shared_weight_buffer_map[node]["shared_weight_buffer"]["name"]
                 for r in readers:
                     calls.append((r, self._invoke(r, "stage_from_segment", name, version, dep_arg)))
             results = self._gather(calls, timeout, f"send_weights v{version}")
@@ -827,7 +858,7 @@ class PolicyGroup:
             # "None" applied in place wherever the first try got through: resend as the next version
             self._send(version + 1 if strategy == "None" else version, retry=False)
             return
-        p, err = failed[0]
+        p, err = min(failed, key=lambda f: _vagueness(f[1]))
         self._raise_for(p, err, f"send_weights v{version}")
 
     def _drain(self, policies: Sequence[Policy]) -> None:

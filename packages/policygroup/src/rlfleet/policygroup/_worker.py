@@ -28,15 +28,7 @@ import torch.distributed as dist
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
 from rlfleet.policygroup._errors import CommGroupError, WorkerDiedError
 from rlfleet.policygroup._reshard import ReshardWorkerMixin
-from rlfleet.policygroup._transport import (
-    bind_module,
-    broadcast_flat,
-    make_process_group,
-    map_segment,
-    pack_into,
-    state_of,
-    unlink_segment,
-)
+from rlfleet.policygroup._transport import bind_module, pack_into, state_of
 from rlfleet.weightsync import (
     BroadcastReceiver,
     BroadcastSender,
@@ -45,15 +37,18 @@ from rlfleet.weightsync import (
     DoubleBuffer,
     Layout,
     LayoutMismatchError,
+    MemberGroup,
+    RendezvousTimeoutError,
     ShardedBuffer,
     SharedBuffer,
     SharedBufferReader,
     SyncTimeoutError,
     VersionError,
-    bucket_starts,
     checksum,
     cleanup_stale_segments,
+    connect_store,
     fingerprint,
+    host_store,
     live_tensors,
     new_group_bounded,
     stand_down_armed_watchdogs,
@@ -157,20 +152,6 @@ def _was_restarted() -> bool:
         return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # pragma: no cover - not in an actor, or an older Ray
         return False
-
-
-def _reset_group_sequence() -> None:
-    """Start weightsync's per-member-set group counter afresh for a new world.
-
-    `new_group_bounded` numbers groups per member set for the whole process; ranks that took part
-    in different earlier worlds (e.g. trainers in a colocated world) would disagree on the number
-    and never meet. Each world here has its own store prefix, so restarting the count is safe.
-    """
-    from rlfleet.weightsync import _rendezvous
-
-    counters = getattr(_rendezvous, "_group_seq", None)
-    if isinstance(counters, dict):
-        counters.clear()
 
 
 class _Sink:
@@ -288,15 +269,11 @@ class BasePolicy(ReshardWorkerMixin):
         self._gathered: torch.Tensor | None = None  # "Sharded": the whole model, from the last gather
         self._gather_target: torch.Tensor | None = None
         self._staged: tuple[str, Any, int] | None = None  # (kind, where, version)
-        self._segments: dict[str, torch.Tensor] = {}
-        self._created_segments: set[str] = set()
-        self._send_flat: torch.Tensor | None = None
         self._send_lock = threading.Lock()  # concurrent sends of one version pack once
         self._shared_writer: SharedBuffer | None = None  # this process fills its node's shared buffer
         self._shared_reader: SharedBufferReader | None = None  # zero-copy views of the node's buffer
+        self._node_reader: SharedBufferReader | None = None  # private copies from the node's buffer
         self._shm_prefix: str | None = None  # name prefix of our group's shared buffers (cleanup)
-        self._recv_flat: torch.Tensor | None = None
-        self._packed_version: int | None = None
         self._update_done = threading.Event()
         self._update_done.set()
         # bookkeeping
@@ -482,9 +459,6 @@ class BasePolicy(ReshardWorkerMixin):
         finally:
             self._timed("train", start)
 
-    def _registered_groups(self) -> list[Any]:
-        return [self._groups[g] for g in self._registered]
-
     def _ddp_group(self) -> Any:
         return self._groups_by_mode.get(ParallelMode.TRAIN_DATA_PARALLEL.value)
 
@@ -498,10 +472,10 @@ class BasePolicy(ReshardWorkerMixin):
         if not grads or size <= 1:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        if group in self._registered_groups():
-            work = dist.all_reduce(flat, group=group, async_op=True)
+        if isinstance(group, MemberGroup):
+            work = group.process_group.allreduce([flat])
         else:
-            work = group.allreduce([flat])
+            work = dist.all_reduce(flat, group=group, async_op=True)
         if not work.wait(timeout=datetime.timedelta(seconds=self.config.group_timeout_s)):
             raise SyncTimeoutError("gradient all-reduce timed out")
         flat.div_(size)
@@ -562,8 +536,11 @@ class BasePolicy(ReshardWorkerMixin):
         """Prepare to receive weights with `strategy` ("None", "Double" or "Shared").
 
         `layout` is the sender's layout (JSON-safe dict); ours must match it exactly (an error
-        names the first parameter that differs). With "Shared", `shared_weight_buffer` names the
-        node's segment; the model binds to it at the first swap.
+        names the first parameter that differs). `shared_weight_buffer["name"]` names the node's
+        shared buffer (weightsync `SharedBuffer`, filled once per version by the node's trainer
+        or cross-node receiver): with "Shared" the model binds to it zero-copy at the first swap;
+        with the other strategies this worker copies each version out of it into its own buffer
+        (checksummed, layout-checked). "Sharded" also needs ``{"rank": r, "world_size": n}``.
         """
         if strategy is None:
             strategy = (
@@ -597,27 +574,33 @@ class BasePolicy(ReshardWorkerMixin):
         elif strategy == "Double":
             self._buffer = DoubleBuffer(live_tensors(self.model), mine, mode="swap", commit_timeout_s=timeout)
         elif strategy == "Sharded":  # keep 1/N of each new version; the node's evals gather at the swap
-            if shared_weight_buffer is None:
+            if shared_weight_buffer is None or "rank" not in shared_weight_buffer:
                 raise ValueError("strategy 'Sharded' needs shared_weight_buffer={'rank': r, 'world_size': n}")
             self._sharded = ShardedBuffer(
                 mine, int(shared_weight_buffer["rank"]), int(shared_weight_buffer["world_size"])
             )
-            return
-        self._shared_name = None if shared_weight_buffer is None else str(shared_weight_buffer["name"])
+        name = None if shared_weight_buffer is None else shared_weight_buffer.get("name")
+        self._shared_name = None if name is None else str(name)
         if self._shared_name is not None:
             self._shm_prefix = self._shared_name.split("_", 1)[0]
-        if strategy == "Shared":
-            if self._shared_name is None:
-                raise ValueError("strategy 'Shared' needs shared_weight_buffer={'name': ...}")
+        if strategy == "Shared" and self._shared_name is None:
+            raise ValueError("strategy 'Shared' needs shared_weight_buffer={'name': ...}")
+        if self._shared_name is not None:
             reader = SharedBufferReader.attach(
                 self._shared_name, expected_layout=mine, timeout_s=self.config.group_timeout_s
             )
-            reader.bind_module(self.model)  # takes effect at the first refresh (the first swap)
-            self._shared_reader = reader
+            if strategy == "Shared":
+                reader.bind_module(self.model)  # takes effect at the first refresh (the first swap)
+                self._shared_reader = reader
+            else:
+                self._node_reader = reader
 
     def _unbind_weights(self) -> None:
         """Give the model private, writable storage again (role change, buffer rebuild)."""
         reader, self._shared_reader = self._shared_reader, None
+        node_reader, self._node_reader = self._node_reader, None
+        if node_reader is not None:
+            node_reader.close()
         buffer, self._buffer = self._buffer, None
         if buffer is not None:
             buffer.abort(RuntimeError("weight buffer released"))
@@ -635,72 +618,42 @@ class BasePolicy(ReshardWorkerMixin):
             reader.close()
 
     def release_weight_buffers(self) -> int:
-        """Drop mapped segments and unlink those this worker created; returns how many unlinked."""
+        """Leave the node's shared buffer, unlinking it if this worker wrote it; returns how many unlinked."""
         self._unbind_weights()
-        self._segments.clear()
         writer, self._shared_writer = self._shared_writer, None
+        removed = 0
         if writer is not None:
             writer.close()  # unlinks; bound readers keep their views until they rebind
+            removed = 1
         if self._shm_prefix is not None:  # a writer of our group SIGKILLed on this node left its buffer
-            cleanup_stale_segments(self._shm_prefix)
-        self._recv_flat = None
-        removed = sum(1 for name in list(self._created_segments) if unlink_segment(name))
-        self._created_segments.clear()
+            removed += len(cleanup_stale_segments(self._shm_prefix))
         self._layout = None if self.role == PolicyRole.TRAIN else self._layout
-        self._send_flat = None
-        self._packed_version = None
         return removed
-
-    def _segment(self, name: str, layout: Layout, create: bool) -> torch.Tensor:
-        seg = self._segments.get(name)
-        nbytes = 2 * layout.padded_bytes
-        if seg is None or seg.numel() < nbytes:
-            seg = map_segment(name, nbytes, create=create)
-            self._segments[name] = seg
-            if create:
-                self._created_segments.add(name)
-        return seg
-
-    @staticmethod
-    def _slot_of(seg: torch.Tensor, layout: Layout, slot: int) -> torch.Tensor:
-        n = layout.padded_bytes
-        return seg[slot * n : (slot + 1) * n]
 
     def _sender_layout(self, bucket_bytes: int) -> Layout:
         if self._layout is None or self._layout.bucket_bytes != bucket_bytes:
             self._layout = Layout.from_state_dict(state_of(self.model), bucket_bytes)
-            self._send_flat = None
-            self._packed_version = None
         return self._layout
 
-    def _packed(self, version: int, bucket_bytes: int) -> tuple[Layout, torch.Tensor]:
-        with self._send_lock:
-            layout = self._sender_layout(bucket_bytes)
-            if self._send_flat is None:
-                self._send_flat = torch.empty(layout.padded_bytes, dtype=torch.uint8)
-            if self._packed_version != version:
-                pack_into(layout, state_of(self.model), self._send_flat)
-                self._packed_version = version
-            return layout, self._send_flat
-
     # ================================================================== weights: sender
-    def write_segment(self, name: str, version: int, bucket_bytes: int) -> str:
-        """Write this trainer's weights once into slot `version % 2` of the node segment `name`."""
-        layout, flat = self._packed(version, bucket_bytes)
-        seg = self._segment(name, layout, create=True)
-        self._slot_of(seg, layout, version % 2).copy_(flat)
-        return layout.digest
-
     def create_shared_writer(
-        self, layout: Mapping[str, Any], num_readers: int, prefix: str = "rlfleet"
+        self, layout: Mapping[str, Any], num_readers: int, prefix: str = "rlfleet", checksums: bool = True
     ) -> str:
-        """Become the writer of this node's shared buffer (two slots); returns its name for the readers."""
+        """Become the writer of this node's shared buffer (two slots); returns its name for the readers.
+
+        The buffer's layout is the group's (the trainers'); a later publish of a model that no
+        longer fits it fails on this side, naming the parameter, before any reader takes bytes.
+        """
         if self._shared_writer is not None:
             self._shared_writer.close()
         self._shm_prefix = prefix
         cleanup_stale_segments(prefix)  # the buffer of a writer of this group that was killed here
         self._shared_writer = SharedBuffer(
-            Layout.from_dict(layout), num_readers, timeout_s=self.config.sync_timeout_s, prefix=prefix
+            Layout.from_dict(layout),
+            num_readers,
+            timeout_s=self.config.sync_timeout_s,
+            prefix=prefix,
+            checksums=checksums,
         )
         return self._shared_writer.name
 
@@ -717,21 +670,26 @@ class BasePolicy(ReshardWorkerMixin):
                 writer.publish(state_of(self.model), version, Deadline(timeout_s))
         return version
 
+    def _src_in(self, group_id: str, global_rank: int) -> int:
+        """How weightsync names the source in `group_id`: the global rank in a world group, the
+        member rank in a group its members made alone (`MemberGroup`)."""
+        if group_id in self._registered:
+            return global_rank
+        return self._group_ranks[group_id].index(global_rank)
+
     def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float) -> int:
-        """Broadcast this trainer's weights in weight-transfer group `group_id` (we are the root)."""
+        """Broadcast this trainer's weights in weight-transfer group `group_id` (we are the root).
+
+        weightsync's protocol: layouts negotiated, buckets pipelined, committed by all or none.
+        """
         group = self._group(group_id)
-        if group_id in self._registered:  # weightsync's protocol: negotiated, committed by all or none
-            with self._send_lock:
-                layout = self._sender_layout(bucket_bytes)
-            key = (group_id, layout.digest)
-            sender = self._senders.get(key)
-            if sender is None:
-                sender = self._senders[key] = BroadcastSender(layout, group, self._rank)
-            sender.send(state_of(self.model), version, Deadline(timeout_s))
-            return layout.padded_bytes
-        layout, flat = self._packed(version, bucket_bytes)
-        root = self._group_ranks[group_id].index(self._rank)
-        broadcast_flat(flat, layout, root, group, timeout_s, f"send of v{version} in {group_id}")
+        with self._send_lock:
+            layout = self._sender_layout(bucket_bytes)
+        key = (group_id, layout.digest)
+        sender = self._senders.get(key)
+        if sender is None:
+            sender = self._senders[key] = BroadcastSender(layout, group, self._src_in(group_id, self._rank))
+        sender.send(state_of(self.model), version, Deadline(timeout_s))
         return layout.padded_bytes
 
     def send_weights_ipc(self) -> dict[str, torch.Tensor]:
@@ -746,22 +704,6 @@ class BasePolicy(ReshardWorkerMixin):
                 f"{self.role.value} policy {self.index}: init_weight_buffer() has not been called"
             )
         return self._layout
-
-    def _scratch(self, nbytes: int) -> torch.Tensor:
-        if self._recv_flat is None or self._recv_flat.numel() < nbytes:
-            self._recv_flat = torch.empty(nbytes, dtype=torch.uint8)
-        return self._recv_flat[:nbytes]
-
-    def _feed(self, consumer: Any, flat: torch.Tensor, version: int) -> None:
-        """Hand every bucket of an all-buckets buffer to a weightsync BucketConsumer (begin, consume)."""
-        layout = self._require_layout()
-        consumer.begin(version)
-        try:
-            for bucket, start in zip(layout.buckets, bucket_starts(layout), strict=True):
-                consumer.consume(bucket.index, flat[start : start + bucket.nbytes])
-        except BaseException as exc:
-            consumer.abort(exc)
-            raise
 
     def _have(self, version: int) -> bool:
         """True when `version` is already applied here, or already in the node's shared buffer.
@@ -781,44 +723,13 @@ class BasePolicy(ReshardWorkerMixin):
             )
         return self._sharded
 
-    def _take(self, flat: torch.Tensor, version: int) -> int:
-        """Stage `flat` as `version`; "None" applies it at once (the group drained us first)."""
-        if self._have(version):
-            if self._strategy == "Shared" and version > self._version:
-                self._staged = ("shared", None, version)
-            self._update_done.set()
-            return version
-        if self._strategy == "Shared":  # we receive for the node: fill its shared buffer
-            writer = self._writer()
-            self._feed(writer, flat, version)
-            try:
-                writer.commit(version)
-            except BaseException as exc:
-                writer.abort(exc)
-                raise
-            self._staged = ("shared", None, version)
-            return version
-        if self._strategy == "Sharded":  # keep our share, committed: the model still serves its copy
-            sharded = self._sharded_buffer()
-            if sharded.version < version:
-                self._feed(sharded, flat, version)
-                sharded.commit(version)
-            self._staged = ("sharded", None, version)
-            return version
-        buffer = self._buffer
-        if buffer is None:
-            raise RuntimeError(
-                f"{self.role.value} policy {self.index}: init_weight_buffer() has not been called"
-            )
-        self._feed(buffer, flat, version)
-        self._staged = ("buffer", None, version)
-        if self._strategy == "None":
-            self.apply_staged(version)
-        return version
-
     def stage_from_segment(self, name: str, version: int, *_deps: Any) -> int:
-        """Take version `version` from this node's shared memory (written once by a local trainer)."""
-        layout = self._require_layout()
+        """Take version `version` from this node's shared buffer (written once by a local trainer).
+
+        "Shared" only waits for it (the swap rebinds the views); the other strategies copy it
+        out, every bucket checked against the writer's checksum, into their own buffer.
+        """
+        self._require_layout()
         self._update_done.clear()
         if self._strategy == "Shared":  # nothing to copy: wait until the node's writer committed it
             reader = self._shared_reader
@@ -829,25 +740,44 @@ class BasePolicy(ReshardWorkerMixin):
             )
             self._staged = ("shared", name, version)
             return version
-        seg = self._segment(name, layout, create=False)
-        return self._take(self._slot_of(seg, layout, version % 2), version)
+        node_reader = self._node_reader
+        if node_reader is None or node_reader.name != name:
+            raise RuntimeError(
+                f"{self.role.value} policy {self.index}: not a reader of shared buffer {name!r} "
+                "(init_weight_buffer)"
+            )
+        if self._have(version):  # a retry: this worker already has it
+            self._update_done.set()
+            return version
+        deadline = Deadline(self.config.sync_timeout_s)
+        if self._strategy == "Sharded":  # keep our share, committed: the model still serves its copy
+            sharded = self._sharded_buffer()
+            if sharded.version < version:
+                node_reader.copy_version(version, sharded, deadline)
+            self._staged = ("sharded", None, version)
+            return version
+        if self._buffer is None:
+            raise RuntimeError(
+                f"{self.role.value} policy {self.index}: init_weight_buffer() has not been called"
+            )
+        node_reader.copy_version(version, _DeferredCommit(self._buffer), deadline)
+        self._staged = ("buffer", None, version)
+        if self._strategy == "None":
+            self.apply_staged(version)
+        return version
 
     def recv_broadcast(self, group_id: str, src_rank: int, version: int, timeout_s: float) -> int:
         """Receive version `version` from `src_rank` in weight-transfer group `group_id`, then stage it."""
-        layout = self._require_layout()
+        self._require_layout()
         self._update_done.clear()
         group = self._group(group_id)
-        if group_id in self._registered:
-            return self._receive_protocol(group_id, group, src_rank, version, timeout_s)
-        root = self._group_ranks[group_id].index(src_rank)
-        flat = self._scratch(layout.padded_bytes)
-        broadcast_flat(flat, layout, root, group, timeout_s, f"receive of v{version} in {group_id}")
-        return self._take(flat, version)
+        return self._receive_protocol(group_id, group, self._src_in(group_id, src_rank), version, timeout_s)
 
     def _receive_protocol(
         self, group_id: str, group: Any, src_rank: int, version: int, timeout_s: float
     ) -> int:
-        """weightsync's BroadcastReceiver straight into our buffer (no scratch copy)."""
+        """weightsync's BroadcastReceiver straight into our buffer (no scratch copy); `src_rank`
+        as weightsync names it in this group (see `_src_in`)."""
         layout = self._require_layout()
         key = (group_id, layout.digest)
         receiver = self._receivers.get(key)
@@ -985,8 +915,8 @@ class BasePolicy(ReshardWorkerMixin):
         """
         ip = host or _node_ip()
         self._close_store()
-        timeout = datetime.timedelta(seconds=self.config.group_timeout_s)
-        self._store = _c10d.TCPStore(ip, 0, None, True, timeout=timeout, wait_for_workers=False)
+        # listens on `ip` only: torch's own master would listen on every interface
+        self._store = host_store(ip, 0, timeout_s=self.config.group_timeout_s)
         self._store_port = int(self._store.port)
         return ip, self._store_port
 
@@ -1047,7 +977,6 @@ class BasePolicy(ReshardWorkerMixin):
             self._store = store
         prefix = f"rlfleet/{epoch}"
         self._join(store, f"{prefix}/world", rank, range(world_size), timeout_s, "init_distributed_env")
-        _reset_group_sequence()
         dist.init_process_group(
             backend,
             store=_c10d.PrefixStore(f"{prefix}/pg", store),
@@ -1087,7 +1016,7 @@ class BasePolicy(ReshardWorkerMixin):
             timeout_s,
             f"group {group_id!r}",
         )
-        group = make_process_group(
+        group = MemberGroup.create(
             self._store,
             f"{self._prefix}/pg/{group_id}",
             ranks.index(self._rank),
@@ -1124,7 +1053,13 @@ class BasePolicy(ReshardWorkerMixin):
         made = 0
         for spec in specs:
             ranks = [int(r) for r in spec["ranks"]]
-            group = new_group_bounded(ranks, backend=backend, timeout=timeout_s, join_timeout=timeout_s)
+            group = new_group_bounded(
+                ranks,
+                backend=backend,
+                timeout=timeout_s,
+                join_timeout=timeout_s,
+                key=f"{self._prefix}/{spec['group_id']}",
+            )
             if self._rank not in ranks:
                 continue
             group_id, mode = str(spec["group_id"]), str(spec["mode"])
@@ -1163,8 +1098,8 @@ class BasePolicy(ReshardWorkerMixin):
             group = self._groups_by_mode.get(key)
             if group is None:
                 return
-            registered = any(group is g for g in self._registered_groups())
-            work = dist.barrier(group=group, async_op=True) if registered else group.barrier()
+            member = isinstance(group, MemberGroup)
+            work = group.process_group.barrier() if member else dist.barrier(group=group, async_op=True)
         if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
             raise SyncTimeoutError(f"barrier on {key or 'world'} timed out after {timeout_s:.1f}s")
 
@@ -1188,16 +1123,17 @@ class BasePolicy(ReshardWorkerMixin):
         if not 0 <= rank < world_size:
             raise ValueError(f"init_collective: rank {rank} outside world_size {world_size}")
         timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = _c10d.TCPStore(ip, port, world_size, rank == 0, timeout=timeout)
+        deadline = Deadline(timeout_s)
+        try:  # rank 0 hosts the store, listening on `ip` only
+            store = connect_store(ip, port, rank, world_size, deadline)
+        except RendezvousTimeoutError as exc:
+            raise CommGroupError(f"init_collective: {exc}", tuple(exc.missing)) from exc
         self._join(store, "collective", rank, range(world_size), timeout_s, "init_collective")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        pg: Any
-        if backend == "gloo":
-            pg = _c10d.ProcessGroupGloo(_c10d.PrefixStore("collective/pg", store), rank, world_size, timeout)
-        else:  # pragma: no cover - needs GPUs
-            pg = _c10d.ProcessGroupNCCL(_c10d.PrefixStore("collective/pg", store), rank, world_size)
-        self.model_update_group = pg
+        group = MemberGroup.create(
+            store, "collective", rank, world_size, max(deadline.remaining_or(timeout_s), 1.0), backend
+        )
+        self.model_update_group = group.process_group
         self._collective_store = store
 
     # ================================================================== NeMo RL worker surface
