@@ -370,11 +370,6 @@ def test_demo_ray_listens_on_loopback_only(demo_runtime: dict[str, Any]) -> None
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="the policy group's rendezvous TCPStore (BasePolicy._get_addr_and_port) listens on every "
-    "interface: torch binds its server to '::' whatever host it is given (reported)",
-)
 def test_demo_rendezvous_store_listens_on_loopback_only(demo_runtime: dict[str, Any]) -> None:
     stores = set(demo_runtime["store_ports"])
     assert stores
@@ -406,5 +401,5 @@ def test_policy_group_segments_are_private_and_unlinked(demo_runtime: dict[str, 
     names = [n for entries in shm.values() for n in entries]
     assert len(set(names)) == len(names)
     report(
-        "policy group sync segments (Double node segment, Shared buffer)", "0600, ours, unlinked at shutdown"
+        "policy group node buffers (Double copies out, Shared binds)", "0600, ours, unlinked at shutdown"
     )
