@@ -2,6 +2,7 @@
 
 from rlfleet.weightsync.__about__ import __version__
 from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, ServingLock, live_tensors
+from rlfleet.weightsync._copy import copy_tensors, default_copy_threads
 from rlfleet.weightsync._cuda_ipc import ControlBlock, CudaIpcReceiver, CudaIpcSender
 from rlfleet.weightsync._deadline import (
     Backoff,
@@ -11,7 +12,13 @@ from rlfleet.weightsync._deadline import (
     stand_down,
     stand_down_armed_watchdogs,
 )
-from rlfleet.weightsync._dist import BroadcastReceiver, BroadcastSender, TorchWire, map_dist_error
+from rlfleet.weightsync._dist import (
+    BroadcastReceiver,
+    BroadcastSender,
+    MemberWire,
+    TorchWire,
+    map_dist_error,
+)
 from rlfleet.weightsync._dtypes import DTYPES, dtype_from_name, dtype_name
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
@@ -26,6 +33,7 @@ from rlfleet.weightsync._errors import (
 )
 from rlfleet.weightsync._integrity import bucket_checksum, checksum, compare_fingerprints, fingerprint
 from rlfleet.weightsync._layout import ALIGNMENT, DEFAULT_BUCKET_BYTES, BucketSpec, Layout, TensorSpec
+from rlfleet.weightsync._member import MemberGroup
 from rlfleet.weightsync._nccl import NcclReceiver, NcclSender, NcclWire
 from rlfleet.weightsync._offload import (
     OffloadStats,
@@ -49,8 +57,10 @@ from rlfleet.weightsync._rendezvous import (
     RendezvousTimeoutError,
     check_in,
     connect_store,
+    host_store,
     init_process_group_bounded,
     new_group_bounded,
+    reset_group_numbering,
 )
 from rlfleet.weightsync._reshard import (
     DEFAULT_RESHARD_BUCKET_BYTES,
@@ -92,6 +102,8 @@ __all__ = [
     "ReshardStats",
     "TorchP2PWire",
     "Transfer",
+    "copy_tensors",
+    "default_copy_threads",
     "BroadcastReceiver",
     "BroadcastSender",
     "BucketTarget",
@@ -112,9 +124,13 @@ __all__ = [
     "bucket_segments",
     "check_in",
     "connect_store",
+    "host_store",
     "init_process_group_bounded",
     "map_dist_error",
+    "MemberGroup",
+    "MemberWire",
     "new_group_bounded",
+    "reset_group_numbering",
     "ALIGNMENT",
     "Backoff",
     "Deadline",

@@ -5,6 +5,10 @@ aborts) is `_wire.py`; this module only adapts a torch.distributed process group
 async broadcasts and all-reduces whose waits take the sync's deadline, and torch's errors mapped
 to ours (a peer whose socket closed is a `PeerLostError`, a wait past its deadline a
 `SyncTimeoutError`). Bucket buffers live on the device that follows the group's backend.
+
+Two kinds of group: a torch ProcessGroup of the default world (`TorchWire`, global ranks, as
+torch's collectives take them) and a `MemberGroup` built by its members alone, with no
+default group (`MemberWire`, member ranks).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import torch.distributed as dist
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import PeerLostError, SyncTimeoutError, WeightSyncError
 from rlfleet.weightsync._layout import Layout
+from rlfleet.weightsync._member import MemberGroup
 from rlfleet.weightsync._wire import DEFAULT_DIRECT_MIN_BYTES, ProtocolReceiver, ProtocolSender
 
-__all__ = ["BroadcastReceiver", "BroadcastSender", "TorchWire", "map_dist_error"]
+__all__ = ["BroadcastReceiver", "BroadcastSender", "MemberWire", "TorchWire", "map_dist_error"]
 
 _PEER_WORDS = (
     "connection closed",
@@ -53,10 +58,19 @@ def map_dist_error(exc: BaseException, what: str) -> WeightSyncError:
 
 def default_device(group: Any = None) -> torch.device:
     """cuda (current device) for an nccl group, else cpu."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
+    return _backend_device(str(dist.get_backend(group)))
+
+
+def _backend_device(backend: str) -> torch.device:
+    if "nccl" in backend.lower() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _indexed(dev: torch.device) -> torch.device:
+    if dev.type == "cuda" and dev.index is None:  # "cuda" means the current device, by index
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 class _TorchPending:
@@ -82,7 +96,35 @@ class _TorchPending:
             raise map_dist_error(exc, what) from exc
 
 
-class TorchWire:
+class _WireBase:
+    """What every `Wire` states about itself: its device, its rank, the group size, the source."""
+
+    def __init__(self, device: torch.device, rank: int, size: int, src: int) -> None:
+        self._device = device
+        self._rank = rank
+        self._size = size
+        self._src = src
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the group."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def src(self) -> int:
+        """Group rank of the sender."""
+        return self._src
+
+
+class TorchWire(_WireBase):
     """A torch.distributed group as a protocol `Wire`; `src_rank` is a global rank, like torch's."""
 
     def __init__(self, group: Any, src_rank: int, device: str | torch.device | None = None) -> None:
@@ -92,35 +134,17 @@ class TorchWire:
         if not isinstance(chosen, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(chosen).__name__}")
         self.group: dist.ProcessGroup = chosen
-        dev = torch.device(device) if device is not None else default_device(self.group)
-        if dev.type == "cuda" and dev.index is None:  # "cuda" means the current device, by index
-            dev = torch.device("cuda", torch.cuda.current_device())
-        self._device = dev
-        self._rank = dist.get_rank(self.group)
-        if self._rank < 0:
+        dev = _indexed(torch.device(device) if device is not None else default_device(self.group))
+        rank = dist.get_rank(self.group)
+        if rank < 0:
             raise ValueError(f"global rank {dist.get_rank()} is not a member of this process group")
-        self._size = dist.get_world_size(self.group)
+        size = dist.get_world_size(self.group)
         self.src_global = int(src_rank)
         try:
-            self._src = dist.get_group_rank(self.group, self.src_global)
+            src = dist.get_group_rank(self.group, self.src_global)
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"source rank {src_rank} is not a member of this process group") from exc
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def src(self) -> int:
-        return self._src
+        super().__init__(dev, rank, size, src)
 
     def broadcast(self, tensor: torch.Tensor) -> _TorchPending:
         try:
@@ -137,9 +161,52 @@ class TorchWire:
         return _TorchPending(work, "all_reduce")
 
 
+class MemberWire(_WireBase):
+    """A `MemberGroup` as a protocol `Wire`; `src` is the sender's member rank.
+
+    Needs no default group: collectives go straight to the group's backend object.
+    """
+
+    def __init__(self, group: MemberGroup, src: int, device: str | torch.device | None = None) -> None:
+        if not isinstance(group, MemberGroup):
+            raise TypeError(f"group must be a MemberGroup, got {type(group).__name__}")
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < group.size:
+            raise ValueError(f"source rank {src!r} is not a member rank of {group!r} (0..{group.size - 1})")
+        self.group = group
+        dev = _indexed(torch.device(device) if device is not None else _backend_device(group.backend))
+        super().__init__(dev, group.rank, group.size, src)
+
+    def broadcast(self, tensor: torch.Tensor) -> _TorchPending:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self._src
+        opts.rootTensor = 0
+        try:
+            work = self.group.process_group.broadcast([tensor], opts)
+        except Exception as exc:
+            raise map_dist_error(exc, "broadcast") from exc
+        return _TorchPending(work, "broadcast")
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> _TorchPending:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+        try:
+            work = self.group.process_group.allreduce([tensor], opts)
+        except Exception as exc:
+            raise map_dist_error(exc, "all_reduce") from exc
+        return _TorchPending(work, "all_reduce")
+
+
+def _wire_for(group: Any, src_rank: int, device: str | torch.device | None) -> TorchWire | MemberWire:
+    if isinstance(group, MemberGroup):
+        return MemberWire(group, src_rank, device)
+    return TorchWire(group, src_rank, device)
+
+
 class BroadcastSender(ProtocolSender):
     """Sends versions of a state dict to every other member of `group`.
 
+    `group` is a torch ProcessGroup of the default world (None: the world), with `src_rank`
+    the sender's global rank, or a `MemberGroup`, with `src_rank` the sender's member rank.
     ``send(state_dict, version, deadline)`` returns `SyncStats` once every receiver committed;
     it raises (and no receiver applies anything) if a receiver rejects the layout or version,
     fails a bucket, or if the state dict does not fit `layout`. Extra memory: at most two
@@ -155,13 +222,17 @@ class BroadcastSender(ProtocolSender):
         checksums: bool = False,
         direct_min: int = DEFAULT_DIRECT_MIN_BYTES,
     ) -> None:
-        super().__init__(layout, TorchWire(group, src_rank, device), checksums, direct_min)
+        super().__init__(layout, _wire_for(group, src_rank, device), checksums, direct_min)
 
 
 class BroadcastReceiver(ProtocolReceiver):
-    """Receives versions from `src_rank` into a `BucketConsumer` (``receive(consumer, deadline)``)."""
+    """Receives versions from `src_rank` into a `BucketConsumer` (``receive(consumer, deadline)``).
+
+    `group` and `src_rank` as for `BroadcastSender`: a torch ProcessGroup and the sender's
+    global rank, or a `MemberGroup` and the sender's member rank.
+    """
 
     def __init__(
         self, layout: Layout, group: Any, src_rank: int, device: str | torch.device | None = None
     ) -> None:
-        super().__init__(layout, TorchWire(group, src_rank, device))
+        super().__init__(layout, _wire_for(group, src_rank, device))

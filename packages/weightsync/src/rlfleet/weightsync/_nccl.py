@@ -22,6 +22,7 @@ import torch
 
 from rlfleet.weightsync._cupy import import_nccl
 from rlfleet.weightsync._deadline import Backoff, Deadline
+from rlfleet.weightsync._dist import _WireBase
 from rlfleet.weightsync._errors import MetadataError, PeerLostError, SyncTimeoutError
 from rlfleet.weightsync._json import decode_json
 from rlfleet.weightsync._layout import Layout
@@ -94,16 +95,13 @@ class _NcclPending:
         torch.cuda.current_stream(self._wire.device).wait_event(self._event)
 
 
-class NcclWire:
+class NcclWire(_WireBase):
     """One NCCL communicator as a protocol `Wire` (ranks are communicator ranks)."""
 
     def __init__(self, comm: Any, rank: int, size: int, src: int, device: torch.device) -> None:
         self._nccl = import_nccl()
+        super().__init__(device, rank, size, src)
         self.comm = comm
-        self._rank = rank
-        self._size = size
-        self._src = src
-        self._device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self.aborted = False
 
@@ -142,22 +140,6 @@ class NcclWire:
         with torch.cuda.device(dev):
             comm = nccl.NcclCommunicator(world_size, uid, rank)
         return cls(comm, rank, world_size, src, dev)
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def src(self) -> int:
-        return self._src
 
     def _launch(self, tensor: torch.Tensor, op: str) -> _NcclPending:
         if self.aborted:

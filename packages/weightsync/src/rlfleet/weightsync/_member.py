@@ -1,0 +1,110 @@
+"""Process groups among their members only, built from a store, with no default group.
+
+`torch.distributed.new_group` is a collective of the whole world: every process of the default
+group must call it, in the same order, even the ones that are not members. That rules out a
+group formed after a member died (the dead one can never call it), a group formed by its
+members alone while the others are busy, and groups created in a different order by different
+processes (a trainer that joins two rollout groups as they come up). A `MemberGroup` is built
+by its members alone, from a store and a name they agree on, and needs no default group at all
+(``dist.is_initialized()`` may be False, or the process may belong to some other world).
+
+Before the group is built every member checks in through the store (`check_in`), so a member
+that never comes is named in a `RendezvousTimeoutError` within the timeout instead of leaving
+the others inside gloo's (or NCCL's) connect.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from torch._C import _distributed_c10d as _c10d
+from torch._C._distributed_c10d import Store
+
+from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._rendezvous import check_in
+
+__all__ = ["MemberGroup"]
+
+BACKENDS = ("gloo", "nccl")
+
+
+class MemberGroup:
+    """A gloo (or nccl) process group among `size` members; ranks are member ranks 0..size-1.
+
+    Build it with `MemberGroup.create`. `process_group` is torch's backend object (collectives
+    take its own options, e.g. ``pg.broadcast([t], opts)``); `MemberWire` adapts it to the sync
+    protocol, and `BroadcastSender` / `BroadcastReceiver` accept a MemberGroup as their group.
+    """
+
+    def __init__(self, process_group: Any, prefix: str, rank: int, size: int, backend: str) -> None:
+        self._pg = process_group
+        self._prefix = prefix
+        self._rank = rank
+        self._size = size
+        self._backend = backend
+
+    @classmethod
+    def create(
+        cls,
+        store: Store,
+        prefix: str,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+    ) -> MemberGroup:
+        """Join the group named `prefix` in `store` as member `rank` of `size`.
+
+        Every member calls it with the same `prefix` and `size` (a name used once per store:
+        its check-in keys stay in the store). Within `timeout_s` every member must have checked
+        in, or this raises `RendezvousTimeoutError` naming the member ranks that did not;
+        `timeout_s` is also the group's own timeout for each collective.
+        """
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"member group prefix must be a non-empty string, got {prefix!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"member group {prefix!r}: size must be an int >= 1, got {size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"member group {prefix!r}: rank must be in [0, {size}), got {rank!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"member group {prefix!r}: backend must be one of {BACKENDS}, got {backend!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"member group {prefix!r}: timeout_s must be > 0, got {timeout_s!r}")
+        base = f"rlfleet/member/{prefix}"
+        check_in(store, f"{base}/join", rank, range(size), Deadline(timeout_s), f"member group {prefix!r}")
+        scoped = _c10d.PrefixStore(f"{base}/pg/", store)
+        if backend == "gloo":
+            pg: Any = _c10d.ProcessGroupGloo(scoped, rank, size, timedelta(seconds=timeout_s))
+        else:  # pragma: no cover - needs GPUs
+            options = _c10d.ProcessGroupNCCL.Options()
+            options._timeout = timedelta(seconds=timeout_s)
+            pg = _c10d.ProcessGroupNCCL(scoped, rank, size, options)
+        return cls(pg, prefix, rank, size, backend)
+
+    @property
+    def rank(self) -> int:
+        """This process's member rank."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def process_group(self) -> Any:
+        """torch's backend object (``ProcessGroupGloo`` / ``ProcessGroupNCCL``)."""
+        return self._pg
+
+    def __repr__(self) -> str:
+        return (
+            f"MemberGroup({self._prefix!r}, rank={self._rank}, size={self._size}, backend={self._backend!r})"
+        )
