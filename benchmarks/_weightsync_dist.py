@@ -25,6 +25,8 @@ machine is shared: the fastest run is the one least disturbed by other work):
                  like for like).
   ours atomic    the same into an atomic "None" buffer (stages the version, copies at commit):
                  shown for reference, not in a claim.
+  ours double    the same into a `DoubleBuffer(mode="swap")` (atomic: large tensors land in
+                 the staging storages, `TensorTarget`; commit swaps storages): reference only.
   ours landed    the same into a one-member `ShardedBuffer` (an atomic flat double buffer that
                  offers its storage as the landing zone, `BucketTarget`; commit swaps): the
                  transport with no copy on the receiving side, as the ceiling has none.
@@ -51,43 +53,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
-
-
-# -- state dict --------------------------------------------------------------------------------
-def model_spec(total: int, small: int = 2000) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype) of a ~`total`-byte model: 70% large bf16, `small` fp32, a few int64."""
-    large_bytes = int(total * 0.70)
-    int_bytes = int(total * 0.02)
-    small_bytes = total - large_bytes - int_bytes
-    entries: list[tuple[str, tuple[int, ...], str]] = []
-    per_large = 32 * MiB if total >= 512 * MiB else 8 * MiB
-    n_large = max(1, large_bytes // per_large)
-    for i in range(n_large):
-        entries.append((f"layers.{i}.mlp.weight", (per_large // 2 // 4096, 4096), "bfloat16"))
-    per_small = max(4, small_bytes // small // 4)
-    for i in range(small):
-        entries.append((f"layers.{i % max(1, n_large)}.norm{i}.weight", (per_small,), "float32"))
-    for i in range(4):
-        entries.append((f"buffers.step{i}", (max(1, int_bytes // 4 // 8),), "int64"))
-    return entries
-
-
-def build_state(spec: list[tuple[str, tuple[int, ...], str]], fill: bool) -> dict[str, Any]:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    out: dict[str, torch.Tensor] = {}
-    for name, shape, dtype in spec:
-        dt = getattr(torch, dtype)
-        if not fill:
-            out[name] = torch.zeros(shape, dtype=dt)
-        elif dt.is_floating_point:
-            out[name] = torch.randn(shape, generator=g).to(dt)
-        else:
-            out[name] = torch.randint(0, 1 << 30, shape, generator=g, dtype=dt)
-    return out
+from _state import GiB, MiB, build_state, model_spec
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -228,6 +194,7 @@ def _run(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any
             sender.send(live, version[0], 600.0)
 
         ours_atomic = ours
+        ours_double = ours
         ours_landed = ours
     else:
         receiver = BroadcastReceiver(layout, None, 0)
@@ -240,7 +207,12 @@ def _run(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any
         def ours_atomic() -> None:
             receiver.receive(atomic if atomic is not None else in_place, 600.0)
 
-        from rlfleet.weightsync import ShardedBuffer
+        from rlfleet.weightsync import DoubleBuffer, ShardedBuffer
+
+        double = DoubleBuffer(live, layout, mode="swap")
+
+        def ours_double() -> None:
+            receiver.receive(double, 600.0)
 
         flat = ShardedBuffer(layout, 0, 1)
 
@@ -253,6 +225,7 @@ def _run(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any
         "seed": seed,
         "ours": ours,
         "ours atomic": ours_atomic,
+        "ours double": ours_double,
         "ours landed": ours_landed,
     }
     times: dict[str, list[float]] = {m: [] for m in methods}

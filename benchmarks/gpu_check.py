@@ -31,8 +31,8 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
+from _state import GiB, MiB, build_state, gpu_model_spec
+
 CLAIMS = {
     "cuda_ipc_over_memcpy": (0.4, "x"),
     "nccl_loop_over_memcpy": (None, "x"),
@@ -62,39 +62,6 @@ def skipped_claims(reason: str) -> dict[str, dict[str, Any]]:
 
 
 # -- model ---------------------------------------------------------------------------------------
-def spec_for(total: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """~`total` bytes: 85% large bf16 matrices, 512 small fp32 vectors, one int64 buffer."""
-    entries: list[tuple[str, tuple[int, ...], str]] = []
-    large = int(total * 0.85)
-    per = 64 * MiB if total >= 2 * GiB else 16 * MiB
-    for i in range(max(1, large // per)):
-        entries.append((f"layers.{i}.weight", (per // 2 // 8192, 8192), "bfloat16"))
-    small = total - large - 8 * MiB
-    for i in range(512):
-        entries.append((f"layers.{i}.norm", (max(1, small // 512 // 4),), "float32"))
-    entries.append(("step", (MiB,), "int64"))
-    return entries
-
-
-def make_state(
-    spec: list[tuple[str, tuple[int, ...], str]], device: str, seed: int, fill: bool
-) -> dict[str, Any]:
-    """Deterministic contents from `seed` (regenerated on the reader to check bit for bit)."""
-    import torch
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name, shape, dtype in spec:
-        dt = getattr(torch, dtype)
-        if not fill:
-            out[name] = torch.zeros(shape, dtype=dt, device=device)
-        elif dt.is_floating_point:
-            out[name] = torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dt)
-        else:
-            out[name] = torch.randint(0, 1 << 40, shape, generator=g, device=device, dtype=dt)
-    return out
-
-
 class InPlace:
     """Strategy "None" written in place: each bucket copied into the live tensors as it arrives."""
 
@@ -171,7 +138,7 @@ def _ipc_body(role: str, cfg: dict[str, Any], path: str) -> dict[str, Any]:
     versions = cfg["versions"]
     deadline = cfg["deadline"]
     if role == "sender":
-        states = [make_state(spec, device, seed=v, fill=True) for v in (1, 2)]
+        states = [build_state(spec, seed=v, device=device) for v in (1, 2)]
         layout = Layout.from_state_dict(states[0], cfg["bucket_bytes"])
         with CudaIpcSender(layout, 1, backend=backend) as sender:
             tmp = path + ".tmp"
@@ -191,7 +158,7 @@ def _ipc_body(role: str, cfg: dict[str, Any], path: str) -> dict[str, Any]:
         time.sleep(0.01)
     with open(path) as fh:
         name = fh.read()
-    live = make_state(spec, device, seed=0, fill=False)
+    live = build_state(spec, fill=False, device=device)
     layout = Layout.from_state_dict(live, cfg["bucket_bytes"])
     consumer = InPlace(live, layout)
     with CudaIpcReceiver.attach(name, 0) as receiver:
@@ -199,7 +166,7 @@ def _ipc_body(role: str, cfg: dict[str, Any], path: str) -> dict[str, Any]:
             receiver.receive(consumer, deadline)
     if device == "cuda":
         torch.cuda.synchronize()
-    expected = make_state(spec, device, seed=(versions - 1) % 2 + 1, fill=True)
+    expected = build_state(spec, seed=(versions - 1) % 2 + 1, device=device)
     bad = [
         n
         for n in expected
@@ -257,7 +224,7 @@ def nccl_loop(
     store = torch.distributed.HashStore()
     wire = NcclWire.create(store, 0, 1, deadline=60.0)
     try:
-        sd = make_state(spec, "cuda", seed=1, fill=True)
+        sd = build_state(spec, seed=1, device="cuda")
         layout = Layout.from_state_dict(sd, bucket)
         sender = NcclSender(layout, wire)
         # force the packing path for every tensor too: direct sends would skip the copies
@@ -317,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     total = int((args.gib or (0.0625 if dry else (1 if args.quick else 4))) * GiB)
     bucket = min(args.bucket_mib * MiB, max(MiB, total // 4))
-    spec = spec_for(total)
+    spec = gpu_model_spec(total)
     reps = 3 if args.quick or dry else 5
     claims: dict[str, Any] = {}
     rows: list[tuple[str, float]] = []

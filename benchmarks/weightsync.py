@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _state import GiB, MiB, build_state, bump, model_spec
 
 from rlfleet.weightsync import (
     DirectBuffer,
@@ -64,49 +65,8 @@ from rlfleet.weightsync import (
     pack_bucket,
 )
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 600.0
-
-
-# -- state dict --------------------------------------------------------------------------------
-def model_spec(total: int, small: int = 2000) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype) of a ~`total`-byte model: 70% large bf16, `small` fp32, a few int64."""
-    large_bytes = int(total * 0.70)
-    int_bytes = int(total * 0.02)
-    small_bytes = total - large_bytes - int_bytes
-    entries: list[tuple[str, tuple[int, ...], str]] = []
-    per_large = 32 * MiB if total >= 512 * MiB else 8 * MiB
-    n_large = max(1, large_bytes // per_large)
-    for i in range(n_large):
-        entries.append((f"layers.{i}.mlp.weight", (per_large // 2 // 4096, 4096), "bfloat16"))
-    per_small = max(4, small_bytes // small // 4)
-    for i in range(small):
-        entries.append((f"layers.{i % max(1, n_large)}.norm{i}.weight", (per_small,), "float32"))
-    for i in range(4):
-        entries.append((f"extra.step{i}", (max(1, int_bytes // 4 // 8),), "int64"))
-    return entries
-
-
-def build_state(spec: list[tuple[str, tuple[int, ...], str]], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name, shape, dtype in spec:
-        dt = getattr(torch, dtype)
-        if dt.is_floating_point:
-            out[name] = torch.randn(shape, generator=g).to(dt)
-        else:
-            out[name] = torch.randint(0, 1 << 30, shape, generator=g, dtype=dt)
-    return out
-
-
-def bump(state: dict[str, torch.Tensor]) -> None:
-    """Make the next version differ from the last (cheaply: one element per tensor)."""
-    with torch.no_grad():
-        for t in state.values():
-            if t.numel():
-                t.view(-1)[0] += 1
 
 
 def anon_bytes() -> int:
@@ -317,7 +277,7 @@ def part1(args: Any) -> dict[str, dict[str, Any]]:
     receivers = 3
     rounds = 5
     spec = model_spec(total)
-    state = build_state(spec, 1)
+    state = build_state(spec, seed=1)
     layout = Layout.from_state_dict(state, 64 * MiB)
     nbytes = layout.total_bytes
     print(
@@ -422,7 +382,7 @@ def part3(args: Any) -> dict[str, dict[str, Any]]:
     total = 128 * MiB if quick else GiB
     receivers = 4
     spec = model_spec(total)
-    state = build_state(spec, 2)
+    state = build_state(spec, seed=2)
     layout = Layout.from_state_dict(state, 8 * MiB)  # small buckets: Sharded splits at bucket bounds
     model = layout.total_bytes
     print(

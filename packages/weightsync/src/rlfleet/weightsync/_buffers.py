@@ -17,6 +17,13 @@ e.g. ``module.state_dict(keep_vars=True)``), and keeps the seed's strategy names
 Every error leaves the applied version in place: out-of-order versions raise VersionError at
 `begin`, a commit with a missing bucket raises IncompleteSyncError, and a transport error ends
 in `abort`, which drops what was received.
+
+`DirectBuffer` and `DoubleBuffer` offer their pending storage as landing zones (the wire's
+`BucketTarget` / `TensorTarget`), so a broadcast writes received bytes straight into place
+instead of into a bucket buffer that `consume` copies again: a whole bucket into a flat
+staging buffer (atomic "None", "Double" copy mode), one large tensor into its staging tensor
+("Double" swap mode) or, for the non-atomic in-place "None", into the live tensor itself. The
+targets exist only while a version is pending (between `begin` and `commit`/`abort`).
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ from typing import Literal
 
 import torch
 
+from rlfleet.weightsync._copy import copy_tensors
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import IncompleteSyncError, MetadataError, VersionError, WeightSyncError
 from rlfleet.weightsync._layout import DEFAULT_BUCKET_BYTES, Layout
-from rlfleet.weightsync._packing import bucket_starts, flat_views, unpack_bucket_into
+from rlfleet.weightsync._packing import _copy_all, bucket_starts, bucket_views, flat_views
 
 __all__ = ["BufferBase", "DirectBuffer", "DoubleBuffer", "ServingLock", "live_tensors"]
 
@@ -232,6 +240,122 @@ def _storage_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def _copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair: on CPU shared among a few threads (`copy_tensors`),
+    since one thread copies at a fraction of the memory bus and a receiver's copy of the last
+    bucket (or the commit's copy of the whole model) is time the sync waits for."""
+    if not dsts:
+        return
+    with torch.no_grad():
+        if all(t.device.type == "cpu" for t in dsts) and all(t.device.type == "cpu" for t in srcs):
+            copy_tensors(dsts, srcs)
+        else:
+            _copy_all(dsts, srcs)
+
+
+def _copy_bucket_except(
+    region: torch.Tensor, data: torch.Tensor, layout: Layout, index: int, skip: set[str]
+) -> None:
+    """``region <- data`` for bucket `index` (flat uint8), except the bytes of tensors in `skip`.
+
+    Nothing to do when `data` already is `region` (the transport landed the bucket there).
+    """
+    if data.numel() == 0 or (data.device == region.device and data.data_ptr() == region.data_ptr()):
+        return
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    cursor = 0
+    for spec in layout.buckets[index].tensors if skip else ():
+        if spec.name in skip:
+            if spec.offset > cursor:
+                dsts.append(region[cursor : spec.offset])
+                srcs.append(data[cursor : spec.offset])
+            cursor = max(cursor, spec.offset + spec.nbytes)
+    if cursor < data.numel():
+        dsts.append(region[cursor:])
+        srcs.append(data[cursor:])
+    _copy_pairs(dsts, srcs)
+
+
+def _unpack_except(
+    layout: Layout, index: int, data: torch.Tensor, destination: Mapping[str, torch.Tensor], skip: set[str]
+) -> None:
+    """`unpack_bucket_into`, leaving the tensors in `skip` (already written in place) alone."""
+    views = bucket_views(layout, index, data)
+    names = [name for name in views if name not in skip]
+    _copy_pairs([destination[n] for n in names], [views[n] for n in names])
+
+
+class _LandingMixin:
+    """`BucketTarget` / `TensorTarget` for a buffer: where a transport may write the pending version.
+
+    A subclass says where bucket `index` / tensor `name` of the pending version lives
+    (`_flat_pending`, `_tensor_home`); targets are handed out only while a version is pending.
+    A tensor target is remembered, so `consume` does not overwrite it with the (unspecified)
+    bytes the bucket then holds for it. The transport writes a target only if it lives on its
+    device, and ``consume`` receives data on that device: a remembered tensor on another device
+    than the data was not written, and is copied as usual.
+    """
+
+    _layout: Layout
+    _pending: int | None
+    _state_lock: threading.RLock
+    _starts: list[int]
+    _landed: dict[str, torch.device]
+
+    def _flat_pending(self) -> torch.Tensor | None:
+        """A flat uint8 buffer of every bucket back to back (`bucket_starts`), or None."""
+        return None
+
+    def _tensor_home(self, name: str) -> torch.Tensor | None:
+        return None
+
+    def _on_land(self) -> None:
+        pass
+
+    def bucket_target(self, index: int) -> torch.Tensor | None:
+        """Bucket `index`'s region of the pending flat staging buffer, if there is one."""
+        with self._state_lock:
+            buckets = self._layout.buckets
+            if self._pending is None or isinstance(index, bool) or not isinstance(index, int):
+                return None
+            if not 0 <= index < len(buckets):
+                return None
+            flat = self._flat_pending()
+            if flat is None:
+                return None
+            start = self._starts[index]
+            return flat[start : start + buckets[index].nbytes]
+
+    def tensor_target(self, name: str) -> torch.Tensor | None:
+        """Where tensor `name` of the pending version lives, if contiguous and of its layout type."""
+        with self._state_lock:
+            if self._pending is None or name not in self._layout:
+                return None
+            spec = self._layout[name]
+            home = self._tensor_home(name)
+            if (
+                home is None
+                or not home.is_contiguous()
+                or home.dtype != spec.torch_dtype
+                or tuple(home.shape) != spec.shape
+            ):
+                return None
+            self._landed[name] = home.device
+            self._on_land()
+            return home.detach()
+
+    def _landed_in(self, index: int, data: torch.Tensor) -> set[str]:
+        """Tensors of bucket `index` the transport wrote in place (not to be copied from `data`)."""
+        if not self._landed:
+            return set()
+        return {
+            spec.name
+            for spec in self._layout.buckets[index].tensors
+            if self._landed.get(spec.name) == data.device
+        }
+
+
 class _ServingMixin:
     serving_lock: ServingLock
     commit_timeout_s: float | None
@@ -243,7 +367,7 @@ class _ServingMixin:
             yield
 
 
-class DirectBuffer(_ServingMixin, BufferBase):
+class DirectBuffer(_LandingMixin, _ServingMixin, BufferBase):
     """Strategy "None": nothing kept between syncs.
 
     With ``max_staging_bytes=None`` (default) or a cap at least the layout's size, the version
@@ -253,6 +377,13 @@ class DirectBuffer(_ServingMixin, BufferBase):
     failure mid-stream leaves the live tensors torn (`torn` is True, `version` unchanged)
     until the next complete sync. Choose "Double" or "Shared" when atomicity matters and
     memory is short.
+
+    Landing: atomic, a transport writes each bucket straight into the staging buffer
+    (`bucket_target`), so the only copy left is the one into the live tensors at commit. In
+    place, large tensors land straight in the live tensors (`tensor_target`; `torn` is set as
+    soon as one is handed out), and only runs of small tensors are copied out of the
+    transport's bucket buffer. The staging is not kept between syncs: "nothing kept" is this
+    strategy's contract (a staging area allocated once is `DoubleBuffer(mode="copy")`).
     """
 
     def __init__(
@@ -272,6 +403,7 @@ class DirectBuffer(_ServingMixin, BufferBase):
         self.torn = False
         self.peak_extra_bytes = 0
         self._staging: torch.Tensor | None = None
+        self._landed = {}
         self._device = next(iter(self.live.values())).device if self.live else torch.device("cpu")
 
     @property
@@ -283,31 +415,46 @@ class DirectBuffer(_ServingMixin, BufferBase):
         """Bytes held beyond the live tensors right now (0 between syncs)."""
         return 0 if self._staging is None else self._staging.numel()
 
+    def _flat_pending(self) -> torch.Tensor | None:
+        return self._staging
+
+    def _tensor_home(self, name: str) -> torch.Tensor | None:
+        # atomic: the whole bucket lands in staging (`bucket_target`); in place: the live tensor
+        return None if self.atomic else self.live[name]
+
+    def _on_land(self) -> None:
+        self.torn = True  # the transport is about to write a live tensor
+
     def _begin(self, version: int) -> None:
+        self._landed = {}
         if self.atomic:
             self._staging = torch.empty(self._layout.padded_bytes, dtype=torch.uint8, device=self._device)
             self.peak_extra_bytes = max(self.peak_extra_bytes, self._staging.numel())
 
     def _stage(self, index: int, data: torch.Tensor) -> None:
+        skip = self._landed_in(index, data)
         if self._staging is not None:
             start = self._starts[index]
-            self._staging[start : start + data.numel()].copy_(data)
+            region = self._staging[start : start + data.numel()]
+            _copy_bucket_except(region, data, self._layout, index, skip)
             return
         self.torn = True
-        unpack_bucket_into(self._layout, index, data, self.live)
+        _unpack_except(self._layout, index, data, self.live, skip)
 
     def _publish(self, version: int) -> None:
         staging = self._staging
         if staging is not None:
             views = flat_views(self._layout, staging)
             names = list(views)
-            with self.serving_lock.exclusive(self.commit_timeout_s), torch.no_grad():
-                torch._foreach_copy_([self.live[n] for n in names], [views[n] for n in names])
+            with self.serving_lock.exclusive(self.commit_timeout_s):
+                _copy_pairs([self.live[n] for n in names], [views[n] for n in names])
         self._staging = None
+        self._landed = {}
         self.torn = False
 
     def _drop(self) -> None:
         self._staging = None
+        self._landed = {}
         if self.torn:
             _log.error(
                 "DirectBuffer (in place, max_staging_bytes=%s): sync aborted mid-stream; live weights "
@@ -317,7 +464,7 @@ class DirectBuffer(_ServingMixin, BufferBase):
             )
 
 
-class DoubleBuffer(_ServingMixin, BufferBase):
+class DoubleBuffer(_LandingMixin, _ServingMixin, BufferBase):
     """Strategy "Double": a full staging copy, allocated once and reused for every version.
 
     The receiver keeps serving version v (under `serving()`) while v+1 lands in staging;
@@ -329,6 +476,11 @@ class DoubleBuffer(_ServingMixin, BufferBase):
       storage as the next staging area: commit costs O(number of tensors), no copy. The live
       dict must hold the objects the model computes with (`live_tensors(module)`); anything
       else that captured the old storage (a CUDA graph, a detached alias) keeps seeing v.
+
+    Landing: in copy mode (live tensors on one device) the staging is one flat buffer laid out
+    like the wire's buckets, and a transport writes each bucket straight into it
+    (`bucket_target`); in swap mode the staging tensors are the previous live storages, and
+    large contiguous ones take their tensor straight from the transport (`tensor_target`).
     """
 
     def __init__(
@@ -347,25 +499,54 @@ class DoubleBuffer(_ServingMixin, BufferBase):
         self.mode = mode
         self.commit_timeout_s = commit_timeout_s
         self.serving_lock = ServingLock()
-        with torch.no_grad():
-            self.staging: dict[str, torch.Tensor] = {
-                name: torch.empty_like(tensor.detach(), memory_format=torch.preserve_format)
-                for name, tensor in self.live.items()
-            }
+        self._landed = {}
+        devices = {tensor.device for tensor in self.live.values()}
+        #: copy mode: the staging as one flat buffer, bucket i at bucket_starts[i] (a landing zone)
+        self._flat: torch.Tensor | None = None
+        self.staging: dict[str, torch.Tensor]
+        if mode == "copy" and len(devices) <= 1:
+            device = next(iter(devices), torch.device("cpu"))
+            self._flat = torch.empty(layout.padded_bytes, dtype=torch.uint8, device=device)
+            self.staging = flat_views(layout, self._flat)
+        else:  # swap: staging tensors become live ones, so they keep each live tensor's format
+            with torch.no_grad():
+                self.staging = {
+                    name: torch.empty_like(tensor.detach(), memory_format=torch.preserve_format)
+                    for name, tensor in self.live.items()
+                }
 
     @property
     def extra_bytes(self) -> int:
         """Bytes of the staging copy (allocated once)."""
         return _storage_bytes(self.staging)
 
+    def _flat_pending(self) -> torch.Tensor | None:
+        return self._flat
+
+    def _tensor_home(self, name: str) -> torch.Tensor | None:
+        return self.staging.get(name)
+
+    def _begin(self, version: int) -> None:
+        self._landed = {}
+
     def _stage(self, index: int, data: torch.Tensor) -> None:
-        unpack_bucket_into(self._layout, index, data, self.staging)
+        skip = self._landed_in(index, data)
+        if self._flat is not None:
+            start = self._starts[index]
+            region = self._flat[start : start + data.numel()]
+            _copy_bucket_except(region, data, self._layout, index, skip)
+            return
+        _unpack_except(self._layout, index, data, self.staging, skip)
+
+    def _drop(self) -> None:
+        self._landed = {}
 
     def _publish(self, version: int) -> None:
+        self._landed = {}
         with self.serving_lock.exclusive(self.commit_timeout_s), torch.no_grad():
             if self.mode == "copy":
                 names = list(self.live)
-                torch._foreach_copy_([self.live[n] for n in names], [self.staging[n] for n in names])
+                _copy_pairs([self.live[n] for n in names], [self.staging[n] for n in names])
                 return
             for name, tensor in self.live.items():
                 previous = tensor.data
