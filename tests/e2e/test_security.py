@@ -400,6 +400,4 @@ def test_policy_group_segments_are_private_and_unlinked(demo_runtime: dict[str, 
     assert not demo_runtime["shm_after"], demo_runtime["shm_after"]
     names = [n for entries in shm.values() for n in entries]
     assert len(set(names)) == len(names)
-    report(
-        "policy group node buffers (Double copies out, Shared binds)", "0600, ours, unlinked at shutdown"
-    )
+    report("policy group node buffers (Double copies out, Shared binds)", "0600, ours, unlinked at shutdown")

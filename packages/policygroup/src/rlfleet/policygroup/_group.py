@@ -153,7 +153,7 @@ class PolicyGroup:
         self._version = 0
         self._staged_version: int | None = None
         self._buffers_dirty = False
-        self._node_readers: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+        self._node_readers: dict[Any, tuple[Any, frozenset[Any]]] = {}
         self._sharded_groups: dict[Any, str] = {}
         self._train_config: Any = None
         self._is_colocated = False
@@ -623,10 +623,10 @@ class PolicyGroup:
                 self._router_add(p)
                 self.router.set_version(self._wid(p), int(v))  # what it really serves
 
-    def _node_reader_signature(self) -> dict[Any, tuple[Any, tuple[Any, ...]]]:
+    def _node_reader_signature(self) -> dict[Any, tuple[Any, frozenset[Any]]]:
         """Who writes and who copies from each node's buffer ("None"/"Double"/"Sharded" plans)."""
         return {
-            node: (self._wid(writer), tuple(sorted(self._wid(r) for r in self._plan.readers.get(node, []))))
+            node: (self._wid(writer), frozenset(self._wid(r) for r in self._plan.readers.get(node, [])))
             for node, writer in self._plan.writers.items()
         }
 
@@ -783,10 +783,10 @@ class PolicyGroup:
         if self.weight_buffer_strategy != "Shared":
             # a re-plan can give a node's trainer new readers: they must attach to its buffer
             wired = self._node_reader_signature()
+            before = self._node_readers
             self._buffers_dirty |= any(
-                set(wired[n][1]) - set(self._node_readers.get(n, (None, ()))[1])
-                or wired[n][0] != self._node_readers.get(n, (None, ()))[0]
-                for n in wired
+                n not in before or wid != before[n][0] or not readers <= before[n][1]
+                for n, (wid, readers) in wired.items()
             )
         if self._buffers_dirty:
             self._buffers_dirty = False
