@@ -52,6 +52,7 @@ from rlfleet.weightsync._errors import (
     VersionError,
     WeightSyncError,
 )
+from rlfleet.weightsync._json import decode_json
 from rlfleet.weightsync._layout import Layout, TensorSpec
 from rlfleet.weightsync._protocol import BucketConsumer
 
@@ -101,13 +102,7 @@ def _encode_fixed(payload: dict[str, Any], size: int, what: str) -> bytes:
 def _decode_fixed(raw: bytes, size: int, what: str) -> dict[str, Any]:
     if len(raw) != size:
         raise MetadataError(f"{what} frame is {len(raw)} bytes, expected {size}")
-    body = raw.rstrip(b"\0")
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MetadataError(f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:  # "[[[[..." nested deeper than the decoder's stack
-        raise MetadataError(f"{what} is nested too deeply") from None
+    data = decode_json(raw.rstrip(b"\0"), what)
     if not isinstance(data, dict):
         raise MetadataError(f"{what} must be a JSON object, got {type(data).__name__}")
     return data
