@@ -287,15 +287,22 @@ def test_killed_trainer_leaves_no_shared_memory_behind(actors: dict[str, Any], r
 
     group = make_group(actors, "Double")
     uid = group._uid
+    assert glob.glob(f"/dev/shm/rlfleet-{uid}*"), "the trainers' node buffers exist while the group runs"
+    start = time.monotonic()
     with contextlib.suppress(ray.exceptions.RayActorError):
         ray.get(actors["train1"].crash.remote(), timeout=30)
-    group.shutdown()
+    group.shutdown()  # every worker leaves; the survivors reclaim buffers whose writer died
     wait_alive([actors["train1"]])
     cleanup_stale_segments()
     leaked = glob.glob(f"/dev/shm/rlfleet-{uid}*")
     for path in leaked:  # leave the machine clean whatever the verdict
         os.unlink(path)
     assert not leaked, leaked
+    report(
+        "trainer killed holding its node buffer",
+        "buffer reclaimed, nothing left in /dev/shm",
+        time.monotonic() - start,
+    )
 
 
 # ------------------------------------------------------------------ corruption in shared memory
@@ -346,11 +353,21 @@ def test_corrupted_node_segment_is_not_applied(actors: dict[str, Any], restore: 
         group.train(None, seed=3)
         victim = pick(group, actors, "segment")
         ray.get(actors[victim].arm.remote("stage", "corrupt"), timeout=30)
-        before = dict(zip(EVALS, eval_state(group), strict=True))[victim]
-        with contextlib.suppress(PolicyGroupError):
+        states = eval_state(group)
+        before = dict(zip(EVALS, states, strict=True))[victim]
+        version = group.weight_version
+        start = time.monotonic()
+        with pytest.raises(PolicyGroupError, match="fails its checksum"):
             group.sync_weights()
-        after = ray.get(actors[victim].get_weight_checksum.remote(), timeout=30)
-        assert after in (before[1], trainer_sum(group)), "corrupted weights were applied"
+        seconds = time.monotonic() - start
+        kind, message, _ = ray.get(actors[victim].last_error.remote(), timeout=30)
+        assert kind == "ChecksumMismatchError", message
+        assert ray.get(actors[victim].get_weight_checksum.remote(), timeout=30) == before[1]
+        assert group.weight_version == version
+        assert eval_state(group) == states  # staged elsewhere, applied nowhere
+        report(
+            "one byte flipped in a node buffer (Double)", "ChecksumMismatchError, nothing applied", seconds
+        )
     finally:
         group.shutdown()
 
@@ -421,10 +438,16 @@ def test_trainer_layout_change_is_refused_by_node_segment_readers(
         assert not group._plan.cross
         before, version = eval_state(group), group.weight_version
         ray.get([actors[t].mutate.remote("reshaped") for t in ("train0", "train1")], timeout=30)
-        with contextlib.suppress(PolicyGroupError):
+        start = time.monotonic()
+        with pytest.raises(PolicyGroupError, match=re.escape("'2.weight'")):
             group.sync_weights()
         assert group.weight_version == version
         assert eval_state(group) == before
+        report(
+            "trainer's model no longer fits the layout (node buffers)",
+            "LayoutMismatchError names it, nothing applied",
+            time.monotonic() - start,
+        )
     finally:
         group.shutdown()
 
