@@ -241,14 +241,16 @@ def write_readonly(name: str) -> None:
     segment.tensor()[0] = 255
 
 
-def copying_reader(name: str, versions: tuple[int, ...], queue: Any) -> None:
-    """Keep private weights (a DoubleBuffer) fed from the node's shared buffer, version by version."""
+def copying_reader(name: str, commands: Any, queue: Any) -> None:
+    """Keep private weights (a DoubleBuffer) fed from the node's shared buffer: each command is
+    a version to copy out ("stop" ends)."""
     reader = SharedBufferReader.attach(name, timeout_s=TIMEOUT)
     module = module_for(reader.layout)
     buffer = DoubleBuffer(dict(module.state_dict(keep_vars=True)), reader.layout)
     lo, hi = reader.data_range()
     try:
-        for version in versions:
+        while (command := commands.get(timeout=TIMEOUT)) != "stop":
+            version = int(command)
             try:
                 reader.copy_version(version, buffer, TIMEOUT)
             except Exception as exc:  # reported, the process goes on with what it has

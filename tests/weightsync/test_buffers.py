@@ -448,7 +448,12 @@ def test_shared_checksums_keep_a_zero_copy_reader_on_its_version_when_the_next_i
         shared.publish(w.make_state(1), 1)
         assert reader.refresh() == 1
         shared.publish(w.make_state(2), 2)
+        assert reader.check_version(2, w.TIMEOUT) == 2  # intact: checked without binding
+        assert reader.version == 1
         _flip_byte(shared, 2, _big_tensor(layout))
+        reader._verified.clear()  # a fresh look, as another reader would take
+        with pytest.raises(ChecksumMismatchError, match=r"bucket \d+ of version 2"):
+            reader.check_version(2, w.TIMEOUT)
         with pytest.raises(ChecksumMismatchError, match=r"bucket \d+ of version 2"):
             reader.refresh()
         assert reader.version == 1
@@ -475,14 +480,17 @@ def test_copying_readers_in_processes_take_each_version_privately_and_refuse_cor
     layout = w.layout_of(w.make_state(1), BUCKET)
     ctx = w.context()
     queue = ctx.Queue()
+    commands = [ctx.Queue() for _ in range(readers)]
     versions = (1, 2, 3)
     with SharedBuffer(layout, readers, timeout_s=w.TIMEOUT, checksums=True) as shared, w.processes() as procs:
-        for _ in range(readers):
-            w.start(procs, w.copying_reader, shared.name, versions, queue)
+        for i in range(readers):
+            w.start(procs, w.copying_reader, shared.name, commands[i], queue)
         for version in versions:
             shared.publish(w.make_state(version), version)
-            if version == 3:
+            if version == 3:  # in memory after the writer's checksum, before any reader looks
                 _flip_byte(shared, 3, _big_tensor(layout))
+            for c in commands:
+                c.put(version)
             results = [queue.get(timeout=w.TIMEOUT) for _ in range(readers)]
             for got, status, *rest in results:
                 assert got == version
@@ -496,6 +504,8 @@ def test_copying_readers_in_processes_take_each_version_privately_and_refuse_cor
                     assert status == "ChecksumMismatchError", message
                     assert "version 3" in message
                     assert digest == checksum(w.make_state(2))  # nothing applied
+        for c in commands:
+            c.put("stop")
 
 
 def test_copy_version_pins_its_slot_and_checks_versions_and_layouts() -> None:

@@ -735,9 +735,7 @@ class BasePolicy(ReshardWorkerMixin):
             reader = self._shared_reader
             if reader is None:
                 raise RuntimeError(f"{self.role.value} policy {self.index}: no shared buffer attached")
-            Deadline(self.config.sync_timeout_s).poll(
-                lambda: reader.latest_version() >= version, f"shared buffer {reader.name}: v{version}"
-            )
+            reader.check_version(version, Deadline(self.config.sync_timeout_s))  # checksummed
             self._staged = ("shared", name, version)
             return version
         node_reader = self._node_reader

@@ -349,6 +349,7 @@ class SharedBufferReader:
         self.layout = layout
         self._slots = slots
         self._crcs = crcs  # per slot, per bucket CRC32 when the writer stores them
+        self._verified: set[tuple[int, int]] = set()  # (slot, version) found intact
         self._starts = bucket_starts(layout)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._slot: int | None = None
@@ -472,6 +473,38 @@ class SharedBufferReader:
                 )
         return data
 
+    def _verify_slot(self, slot: int, version: int) -> None:
+        """Every bucket of `slot` (holding `version`) against its CRC32, once per (slot, version)."""
+        if self._crcs is None or (slot, version) in self._verified:
+            return
+        for index in range(len(self.layout.buckets)):
+            self._verify_bucket(slot, index, version)
+        self._verified = {(j, v) for j, v in self._verified if j != slot}
+        self._verified.add((slot, version))
+
+    def check_version(self, version: int, deadline: Deadline | float | None = None) -> int:
+        """Wait until `version` is committed and, with checksums on, verify it, without binding.
+
+        A zero-copy reader that must not switch yet (it is serving) learns now, not at its
+        swap, that the version is corrupted (ChecksumMismatchError) or gone (VersionError);
+        the swap's `refresh` does not verify the same version again.
+        """
+        deadline = Deadline.coerce(deadline if deadline is not None else DEFAULT_TIMEOUT_S)
+        self._wait_committed(version, deadline)
+        with self._segment.locked(deadline, f"pinning version {version}"):
+            slot = self._header.slot_holding(version)
+            if slot is None:
+                raise VersionError(
+                    f"shared buffer {self.name}: version {version} is no longer there "
+                    f"(the writer moved on to {self.latest_version()})"
+                )
+            self._pin(slot)
+        try:
+            self._verify_slot(slot, version)
+        finally:
+            self._pin(-1)
+        return version
+
     def _pin(self, slot: int) -> None:
         self._header.set(self._header.reader(self.reader_index, R_PIN), slot)
 
@@ -494,9 +527,7 @@ class SharedBufferReader:
                 return version
             self._pin(newest)  # the writer leaves it alone while we check it
         try:
-            if self._crcs is not None:
-                for index in range(len(self.layout.buckets)):
-                    self._verify_bucket(newest, index, version)
+            self._verify_slot(newest, version)
             with self._segment.locked(deadline, "binding to the newest version"):
                 header.set(header.reader(me, R_IN_USE), newest)
                 header.set(header.reader(me, R_VERSION), version)
