@@ -1,7 +1,7 @@
 """Fault injection across the packages: PolicyGroup (Ray) + weightsync transports + routing.
 
 One 3-node Ray cluster and one set of actors serve the whole module (node0: train0, eval0 |
-node1: train1, eval1 | node2: eval2, eval3), so disaggregated syncs mix node-segment items
+node1: train1, eval1 | node2: eval2, eval3), so disaggregated syncs mix node-buffer items
 (node0, node1) and a cross-node broadcast (to node2). Actors restart after a crash
 (`max_restarts=-1`), the way a deployment keeps its workers: each test kills what it needs and
 the next one gets the restarted actor back. Faults are injected by `fault_policies.FaultPolicy`
@@ -347,8 +347,9 @@ def test_corrupted_byte_in_a_ring_slot_in_flight_is_caught_by_a_reader_process()
     report("one byte flipped in a shared-memory ring slot", "ChecksumMismatchError, nothing applied", seconds)
 
 
-def test_corrupted_node_segment_is_not_applied(actors: dict[str, Any], restore: None) -> None:
-    group = make_group(actors, "Double")
+@pytest.mark.parametrize("strategy", ["Double", "Shared"])
+def test_corrupted_node_segment_is_not_applied(actors: dict[str, Any], restore: None, strategy: str) -> None:
+    group = make_group(actors, strategy)
     try:
         group.train(None, seed=3)
         victim = pick(group, actors, "segment")
@@ -366,7 +367,9 @@ def test_corrupted_node_segment_is_not_applied(actors: dict[str, Any], restore: 
         assert group.weight_version == version
         assert eval_state(group) == states  # staged elsewhere, applied nowhere
         report(
-            "one byte flipped in a node buffer (Double)", "ChecksumMismatchError, nothing applied", seconds
+            f"one byte flipped in a node buffer ({strategy})",
+            "ChecksumMismatchError, nothing applied",
+            seconds,
         )
     finally:
         group.shutdown()
@@ -433,7 +436,7 @@ def test_layout_mismatch_names_the_parameter_and_applies_nothing(
 def test_trainer_layout_change_is_refused_by_node_segment_readers(
     actors: dict[str, Any], restore: None
 ) -> None:
-    group = make_group(actors, "Double", evals=("eval0", "eval1"))  # node segments only
+    group = make_group(actors, "Double", evals=("eval0", "eval1"))  # node buffers only
     try:
         assert not group._plan.cross
         before, version = eval_state(group), group.weight_version
