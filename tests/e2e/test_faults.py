@@ -61,7 +61,9 @@ KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBu
 
 def config(strategy: str = "Double") -> PolicyConfig:
     return PolicyConfig(
-        weight_buffer=WeightBufferConfig(type=KIND[strategy], buffer_strategy=strategy, bucket_bytes=1024),
+        weight_buffer=WeightBufferConfig(
+            type=KIND[strategy], buffer_strategy=strategy, bucket_bytes=1024, checksums=True
+        ),
         group_timeout_s=GROUP_TIMEOUT_S,
         sync_timeout_s=SYNC_TIMEOUT_S,
         rpc_timeout_s=RPC_TIMEOUT_S,

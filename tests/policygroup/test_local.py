@@ -22,7 +22,9 @@ STRATEGIES = [("None", "WeightBuffer"), ("Double", "WeightBuffer"), ("Shared", "
 
 def local_group(strategy: str, kind: str, n_train: int = 2, n_eval: int = 3) -> PolicyGroup:
     cfg = PolicyConfig(
-        weight_buffer=WeightBufferConfig(type=kind, buffer_strategy=strategy, bucket_bytes=2048)
+        weight_buffer=WeightBufferConfig(
+            type=kind, buffer_strategy=strategy, bucket_bytes=2048, checksums=strategy != "None"
+        )
     )
     train = [MLPPolicy(cfg, role="train", index=i) for i in range(n_train)]
     evals = [MLPPolicy(cfg, role="eval", index=i) for i in range(n_eval)]
@@ -126,6 +128,8 @@ def test_config_combinations_are_checked() -> None:
         WeightBufferConfig(type="WeightBuffer", buffer_strategy="Shared")
     with pytest.raises(ValueError, match="'Sharded' needs type 'ShardedWeightBuffer'"):
         WeightBufferConfig(type="CPUWeightBuffer", buffer_strategy="Sharded")
+    with pytest.raises(ValueError, match="checksums must be a bool"):
+        WeightBufferConfig(checksums="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="buffer_strategy 'Triple' is unknown"):
         WeightBufferConfig(buffer_strategy="Triple")
     with pytest.raises(ValueError, match="rollout_mode 'batch' is unknown"):

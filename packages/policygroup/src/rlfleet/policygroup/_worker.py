@@ -637,7 +637,7 @@ class BasePolicy(ReshardWorkerMixin):
 
     # ================================================================== weights: sender
     def create_shared_writer(
-        self, layout: Mapping[str, Any], num_readers: int, prefix: str = "rlfleet", checksums: bool = True
+        self, layout: Mapping[str, Any], num_readers: int, prefix: str = "rlfleet", checksums: bool = False
     ) -> str:
         """Become the writer of this node's shared buffer (two slots); returns its name for the readers.
 
