@@ -200,6 +200,13 @@ class _DeferredCommit:
     def consume(self, index: int, data: torch.Tensor) -> None:
         self.inner.consume(index, data)
 
+    # the inner buffer's landing zones: a broadcast writes straight into its staging
+    def bucket_target(self, index: int) -> torch.Tensor | None:
+        return self.inner.bucket_target(index)
+
+    def tensor_target(self, name: str) -> torch.Tensor | None:
+        return self.inner.tensor_target(name)
+
     def commit(self, version: int) -> None:
         self.ready = version
 
