@@ -573,7 +573,7 @@ class PolicyGroup:
             self._call_all(self.train_list + self.eval_list, "release_weight_buffers")
             # one weightsync SharedBuffer per node, written once per version: with "Shared" every
             # eval of the node reads it zero-copy; otherwise the evals a trainer on their node
-            # feeds copy each version out of it (checksummed) into their own buffers
+            # feeds copy each version out of it (checksummed if configured) into their own buffers
             for node, entry in self.placement_info.items():
                 if strategy == "Shared":
                     readers = list(entry["eval_policies"])
