@@ -547,7 +547,8 @@ class BasePolicy(ReshardWorkerMixin):
         shared buffer (weightsync `SharedBuffer`, filled once per version by the node's trainer
         or cross-node receiver): with "Shared" the model binds to it zero-copy at the first swap;
         with the other strategies this worker copies each version out of it into its own buffer
-        (checksummed, layout-checked). "Sharded" also needs ``{"rank": r, "world_size": n}``.
+        (layout-checked; checksummed if the group asks). "Sharded" also needs
+        ``{"rank": r, "world_size": n}``.
         """
         if strategy is None:
             strategy = (
@@ -734,7 +735,7 @@ class BasePolicy(ReshardWorkerMixin):
         """Take version `version` from this node's shared buffer (written once by a local trainer).
 
         "Shared" only waits for it (the swap rebinds the views); the other strategies copy it
-        out, every bucket checked against the writer's checksum, into their own buffer.
+        out (each bucket checked against the writer's CRC32 when the group turned checksums on).
         """
         self._require_layout()
         self._update_done.clear()
@@ -742,7 +743,7 @@ class BasePolicy(ReshardWorkerMixin):
             reader = self._shared_reader
             if reader is None:
                 raise RuntimeError(f"{self.role.value} policy {self.index}: no shared buffer attached")
-            reader.check_version(version, Deadline(self.config.sync_timeout_s))  # checksummed
+            reader.check_version(version, Deadline(self.config.sync_timeout_s))  # verified if checksummed
             self._staged = ("shared", name, version)
             return version
         node_reader = self._node_reader
