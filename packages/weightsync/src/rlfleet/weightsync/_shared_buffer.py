@@ -117,6 +117,14 @@ def _crc_table_bytes(num_buckets: int) -> int:
     return 8 * SLOTS * num_buckets
 
 
+def _require_writer_layout(mine: Layout, writer: Layout, what: str) -> None:
+    """LayoutMismatchError naming the first differing parameter, unless the digests agree."""
+    if mine.digest != writer.digest:
+        problem = mine.diff(writer) or "digests differ"
+        param = problem.split("'")[1] if "'" in problem else None
+        raise LayoutMismatchError(f"{what} layout vs writer: {problem}", param)
+
+
 class SharedBuffer(BufferBase):
     """The node writer of a shared weight buffer (a `BucketConsumer`).
 
@@ -405,12 +413,8 @@ class SharedBufferReader:
                 crcs = np.frombuffer(
                     control, dtype=np.int64, count=SLOTS * num_buckets, offset=crc_offset
                 ).reshape(SLOTS, num_buckets)
-            if expected_layout is not None and expected_layout.digest != layout.digest:
-                problem = expected_layout.diff(layout) or "digests differ"
-                param = problem.split("'")[1] if "'" in problem else None
-                raise LayoutMismatchError(
-                    f"shared buffer {name!r}: receiver layout vs writer: {problem}", param
-                )
+            if expected_layout is not None:
+                _require_writer_layout(expected_layout, layout, f"shared buffer {name!r}: receiver")
             data = segment.map_region(data_offset, SLOTS * slot_bytes, readonly=True)
             slots = [segment.tensor(j * slot_bytes, slot_bytes, region=data) for j in range(SLOTS)]
             me, my_start = process_identity()
@@ -490,6 +494,18 @@ class SharedBufferReader:
         the swap's `refresh` does not verify the same version again.
         """
         deadline = Deadline.coerce(deadline if deadline is not None else DEFAULT_TIMEOUT_S)
+        slot = self._pin_version(version, deadline)
+        try:
+            self._verify_slot(slot, version)
+        finally:
+            self._pin(-1)
+        return version
+
+    def _pin(self, slot: int) -> None:
+        self._header.set(self._header.reader(self.reader_index, R_PIN), slot)
+
+    def _pin_version(self, version: int, deadline: Deadline) -> int:
+        """Wait until `version` is committed, then pin its slot (the caller unpins); its slot."""
         self._wait_committed(version, deadline)
         with self._segment.locked(deadline, f"pinning version {version}"):
             slot = self._header.slot_holding(version)
@@ -499,14 +515,7 @@ class SharedBufferReader:
                     f"(the writer moved on to {self.latest_version()})"
                 )
             self._pin(slot)
-        try:
-            self._verify_slot(slot, version)
-        finally:
-            self._pin(-1)
-        return version
-
-    def _pin(self, slot: int) -> None:
-        self._header.set(self._header.reader(self.reader_index, R_PIN), slot)
+        return slot
 
     def refresh(self, deadline: Deadline | float | None = None) -> int:
         """Bind to the newest committed version (no-op if already there); returns the bound version.
@@ -569,22 +578,8 @@ class SharedBufferReader:
         if isinstance(version, bool) or not isinstance(version, int):
             raise VersionError(f"version must be an int, got {version!r}")
         deadline = Deadline.coerce(deadline if deadline is not None else DEFAULT_TIMEOUT_S)
-        if consumer.layout.digest != self.layout.digest:
-            problem = consumer.layout.diff(self.layout) or "digests differ"
-            param = problem.split("'")[1] if "'" in problem else None
-            raise LayoutMismatchError(
-                f"shared buffer {self.name!r}: consumer layout vs writer: {problem}", param
-            )
-        self._wait_committed(version, deadline)
-        header = self._header
-        with self._segment.locked(deadline, f"pinning version {version}"):
-            slot = header.slot_holding(version)
-            if slot is None:
-                raise VersionError(
-                    f"shared buffer {self.name}: version {version} is no longer there "
-                    f"(the writer moved on to {self.latest_version()})"
-                )
-            self._pin(slot)
+        _require_writer_layout(consumer.layout, self.layout, f"shared buffer {self.name!r}: consumer")
+        slot = self._pin_version(version, deadline)
         began = False
         try:
             consumer.begin(version)
