@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from rlfleet.policygroup import (
     TrainConfig,
     WeightBufferConfig,
 )
+from rlfleet.weightsync import SyncTimeoutError
 
 STRATEGIES = [("None", "WeightBuffer"), ("Double", "WeightBuffer"), ("Shared", "CPUWeightBuffer")]
 
@@ -167,3 +170,62 @@ def test_batched_data() -> None:
 def test_sharded_needs_ray_actors() -> None:
     with pytest.raises(Exception, match="'Sharded' needs Ray actors"):
         local_group("Sharded", "ShardedWeightBuffer")
+
+
+class _GatedPolicy(MLPPolicy):
+    """An eval policy whose rollouts wait on a gate, so a test controls when one finishes."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def rollout_step(self, env_ret: object) -> dict[str, object]:
+        if env_ret == "wait":
+            self.started.set()
+            assert self.gate.wait(30)
+            return {"version": self.get_weight_version()}
+        return super().rollout_step(env_ret)
+
+
+def _scaled_state(policy: MLPPolicy, factor: float) -> dict[str, torch.Tensor]:
+    return {k: v.detach() * factor for k, v in policy.model.state_dict().items()}
+
+
+def test_a_weight_swap_waits_for_in_flight_rollouts_and_new_ones_wait_for_it() -> None:
+    cfg = PolicyConfig(drain_timeout_s=0.3)
+    policy = _GatedPolicy(cfg, role="eval", index=0)
+    before = _scaled_state(policy, 1.0)
+    slow = threading.Thread(target=policy._rollout, args=("wait",))
+    slow.start()
+    try:
+        assert policy.started.wait(10)
+        # a rollout holds the model: the swap gives up at its drain deadline, weights untouched
+        with pytest.raises(SyncTimeoutError, match="in-flight requests"):
+            policy.recv_weights_ipc(_scaled_state(policy, 2.0), version=7)
+        assert policy.get_weight_version() == 0
+        for name, t in policy.model.state_dict().items():
+            assert torch.equal(t, before[name])
+
+        # with room to drain, the swap waits; a rollout arriving meanwhile waits for the swap
+        policy.config.drain_timeout_s = 30.0
+        swap = threading.Thread(target=policy.recv_weights_ipc, args=(_scaled_state(policy, 2.0), 7))
+        swap.start()
+        deadline = time.monotonic() + 10
+        while not policy._serve._waiting_writers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert policy._serve._waiting_writers == 1
+        seen: list[object] = []
+        late = threading.Thread(target=lambda: seen.append(policy._rollout(torch.zeros(OBS_DIM).tolist())))
+        late.start()
+        time.sleep(0.2)
+        assert not seen  # held back behind the waiting swap
+        policy.gate.set()
+        for t in (slow, swap, late):
+            t.join(10)
+            assert not t.is_alive()
+        assert [r["version"] for r in seen] == [7]  # type: ignore[index]
+        assert policy.get_weight_version() == 7
+    finally:
+        policy.gate.set()
+        slow.join(10)

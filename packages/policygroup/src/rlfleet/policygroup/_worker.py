@@ -19,7 +19,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from rlfleet.weightsync import (
     LayoutMismatchError,
     MemberGroup,
     RendezvousTimeoutError,
+    ServingLock,
     ShardedBuffer,
     SharedBuffer,
     SharedBufferReader,
@@ -69,48 +70,6 @@ class ParallelMode(str, enum.Enum):
     INTRA_NODE = "intra_node"
     WEIGHT_TRANSFER = "weight_transfer"
     TRAIN_DATA_PARALLEL = "train_data_parallel"
-
-
-class _ServeLock:
-    """Many rollouts read the model at once; a weight swap waits for them (bounded) and runs alone."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-
-    def acquire_read(self) -> None:
-        with self._cond:
-            while self._writer:
-                self._cond.wait()
-            self._readers += 1
-
-    def release_read(self) -> None:
-        with self._cond:
-            self._readers -= 1
-            if self._readers == 0:
-                self._cond.notify_all()
-
-    def acquire_write(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        with self._cond:
-            while self._writer or self._readers:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise SyncTimeoutError(
-                        f"weight swap: {self._readers} rollout(s) still running after {timeout:.1f}s"
-                    )
-                self._cond.wait(left)
-            self._writer = True
-
-    def release_write(self) -> None:
-        with self._cond:
-            self._writer = False
-            self._cond.notify_all()
-
-    @property
-    def readers(self) -> int:
-        return self._readers
 
 
 def _free_port(host: str) -> int:
@@ -250,7 +209,7 @@ class BasePolicy(ReshardWorkerMixin):
         self.model_update_group: Any = None
         self.pp_comm_group: Any = None
         # serving
-        self._serve = _ServeLock()
+        self._serve = ServingLock()
         self._count_lock = threading.Lock()
         self._num_requests = 0
         # distributed
@@ -399,25 +358,26 @@ class BasePolicy(ReshardWorkerMixin):
                 self.index,
             )
 
-    def _enter(self) -> None:
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[None]:
+        """Around a rollout: counted, and never overlapping a weight swap (a swap waits for
+        in-flight rollouts and new ones wait for the swap, at most as long as a sync may take)."""
         self._refuse_if_restarted()
         with self._count_lock:
             self._num_requests += 1
-        self._serve.acquire_read()
-
-    def _leave(self) -> None:
-        self._serve.release_read()
-        with self._count_lock:
-            self._num_requests -= 1
+        try:
+            with self._serve.shared(self.config.sync_timeout_s + self.config.drain_timeout_s):
+                yield
+        finally:
+            with self._count_lock:
+                self._num_requests -= 1
 
     def _rollout(self, env_ret: Any) -> Any:
         start = time.perf_counter()
-        self._enter()
         try:
-            with torch.no_grad():
+            with self._serving(), torch.no_grad():
                 return self.rollout_step(env_ret)
         finally:
-            self._leave()
             self._timed("rollout", start)
 
     def _rollout_async(self, env_ret: Any) -> Any:
@@ -426,12 +386,10 @@ class BasePolicy(ReshardWorkerMixin):
     def _rollout_many(self, env_rets: Sequence[Any]) -> Any:
         """Several requests in one call (one Ray task, one return object per request)."""
         start = time.perf_counter()
-        self._enter()
         try:
-            with torch.no_grad():
+            with self._serving(), torch.no_grad():
                 out = self.rollout_many_step(list(env_rets))
         finally:
-            self._leave()
             self._timed("rollout_many", start)
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -804,14 +762,11 @@ class BasePolicy(ReshardWorkerMixin):
             self._staged = ("shared", None, stats.version)
         elif self._strategy == "None":  # in place: the group drained us first
             assert self._buffer is not None
-            self._serve.acquire_write(timeout_s)
-            try:
+            with self._serve.exclusive(timeout_s):
                 stats = receiver.receive(self._buffer, deadline)
                 self._version = stats.version
                 self._staged = None
                 self._update_done.set()
-            finally:
-                self._serve.release_write()
         else:
             assert self._buffer is not None
             deferred = _DeferredCommit(self._buffer)
@@ -825,12 +780,9 @@ class BasePolicy(ReshardWorkerMixin):
 
     def recv_weights_ipc(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> int:
         """Colocated seed path: load a state dict that came through the object store."""
-        self._serve.acquire_write(self.config.drain_timeout_s)
-        try:
+        with self._serve.exclusive(self.config.drain_timeout_s):
             self.load_state_dict(state)
             self._version = self._version + 1 if version is None else int(version)
-        finally:
-            self._serve.release_write()
         return self._version
 
     def apply_staged(
@@ -847,30 +799,29 @@ class BasePolicy(ReshardWorkerMixin):
                 f"{self.role.value} policy {self.index}: asked to apply v{version}, "
                 f"staged is v{staged_version}"
             )
-        self._serve.acquire_write(self.config.drain_timeout_s if timeout_s is None else timeout_s)
-        try:
-            if kind == "buffer":
-                assert self._buffer is not None
-                self._buffer.commit(staged_version)
-            elif kind == "sharded":  # collective: every eval of the node applies at once
-                if group_id is None:
-                    raise RuntimeError("a Sharded swap needs the node's eval group (group_id)")
-                views = self._sharded_buffer().gather(
-                    self._group(group_id), Deadline(self.config.drain_timeout_s), out=self._gather_out()
-                )
-                live = live_tensors(self.model)
-                with torch.no_grad():
-                    for name, view in views.items():
-                        live[name].data = view
-                self._gathered = self._gather_target
-            else:
-                assert self._shared_reader is not None
-                self._shared_reader.refresh(Deadline(self.config.drain_timeout_s))
-            self._version = staged_version
-            self._staged = None
-        finally:
-            self._serve.release_write()
-            self._update_done.set()
+        with self._serve.exclusive(self.config.drain_timeout_s if timeout_s is None else timeout_s):
+            try:
+                if kind == "buffer":
+                    assert self._buffer is not None
+                    self._buffer.commit(staged_version)
+                elif kind == "sharded":  # collective: every eval of the node applies at once
+                    if group_id is None:
+                        raise RuntimeError("a Sharded swap needs the node's eval group (group_id)")
+                    views = self._sharded_buffer().gather(
+                        self._group(group_id), Deadline(self.config.drain_timeout_s), out=self._gather_out()
+                    )
+                    live = live_tensors(self.model)
+                    with torch.no_grad():
+                        for name, view in views.items():
+                            live[name].data = view
+                    self._gathered = self._gather_target
+                else:
+                    assert self._shared_reader is not None
+                    self._shared_reader.refresh(Deadline(self.config.drain_timeout_s))
+                self._version = staged_version
+                self._staged = None
+            finally:
+                self._update_done.set()  # wakes waiters on success and on failure
         return self._version
 
     def _gather_out(self) -> torch.Tensor:
