@@ -90,44 +90,9 @@ def peak_rss() -> int:
 
 
 # -- methods -----------------------------------------------------------------------------------
-class InPlace:
-    """Fallback in-place "None" consumer (used only if the package's DirectBuffer is missing)."""
-
-    def __init__(self, live: Mapping[str, Any], layout: Any) -> None:
-        self.live = live
-        self._layout = layout
-        self._version = -1
-
-    @property
-    def layout(self) -> Any:
-        return self._layout
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def begin(self, version: int) -> None:
-        pass
-
-    def consume(self, index: int, data: Any) -> None:
-        from rlfleet.weightsync import unpack_bucket_into
-
-        unpack_bucket_into(self._layout, index, data, self.live)
-
-    def commit(self, version: int) -> None:
-        self._version = version
-
-    def abort(self, error: BaseException) -> None:
-        pass
-
-
 def _consumer(live: Mapping[str, Any], layout: Any, atomic: bool) -> Any:
-    try:
-        from rlfleet.weightsync import DirectBuffer
-    except ImportError:
-        if atomic:
-            return None
-        return InPlace(live, layout)
+    from rlfleet.weightsync import DirectBuffer
+
     return DirectBuffer(live, layout, max_staging_bytes=None if atomic else 0)
 
 
@@ -229,7 +194,7 @@ def _run(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any
             receiver.receive(in_place, 600.0)
 
         def ours_atomic() -> None:
-            receiver.receive(atomic if atomic is not None else in_place, 600.0)
+            receiver.receive(atomic, 600.0)
 
         from rlfleet.weightsync import DoubleBuffer, ShardedBuffer
 

@@ -30,9 +30,8 @@ To make `BasePolicy` speak these calls: ``class BasePolicy(ReshardWorkerMixin):`
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,30 +61,6 @@ __all__ = ["ReshardWorkerMixin"]
 _c10d: Any = dist  # PrefixStore / ProcessGroup* are not re-exported for mypy
 
 DEFAULT_REFIT_TIMEOUT_S = 120.0
-
-
-class _WorkerServingLock(ServingLock):
-    """The DoubleBuffer's commit takes the worker's own serving lock (rollouts hold it shared)."""
-
-    def __init__(self, worker_lock: Any) -> None:
-        super().__init__()
-        self._worker_lock = worker_lock
-
-    @contextlib.contextmanager
-    def shared(self, deadline: Deadline | float | None = None) -> Iterator[None]:
-        self._worker_lock.acquire_read()
-        try:
-            yield
-        finally:
-            self._worker_lock.release_read()
-
-    @contextlib.contextmanager
-    def exclusive(self, deadline: Deadline | float | None = None) -> Iterator[None]:
-        self._worker_lock.acquire_write(Deadline.coerce(deadline).remaining_or(3600.0))
-        try:
-            yield
-        finally:
-            self._worker_lock.release_write()
 
 
 class _WorkerBuffer(DoubleBuffer):
@@ -318,8 +293,8 @@ class ReshardWorkerMixin:
             mine[name] = tensor
         consumer = _WorkerBuffer(mine, program.layout(), int(self._version), self.config.drain_timeout_s)
         worker_lock = getattr(self, "_serve", None)
-        if worker_lock is not None:
-            consumer.serving_lock = _WorkerServingLock(worker_lock)
+        if isinstance(worker_lock, ServingLock):  # the commit waits for the worker's rollouts
+            consumer.serving_lock = worker_lock
         return consumer
 
     def nccl_reshard_refit(

@@ -45,6 +45,7 @@ from rlfleet.weightsync import (
     SharedBufferReader,
     SyncTimeoutError,
     VersionError,
+    check_in,
     checksum,
     cleanup_stale_segments,
     connect_store,
@@ -897,19 +898,31 @@ class BasePolicy(ReshardWorkerMixin):
         self, store: Any, prefix: str, rank: int, ranks: Sequence[int], timeout_s: float, what: str
     ) -> None:
         """Everyone announces itself; a rank that does not within the deadline is named."""
-        store.set(f"{prefix}/joined/{rank}", b"1")
-        keys = [f"{prefix}/joined/{r}" for r in ranks]
-        end = time.monotonic() + timeout_s
-        while True:
-            missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
-            if not missing:
-                return
-            if time.monotonic() >= end:
-                raise CommGroupError(
-                    f"{what}: rank(s) {missing} did not join within {timeout_s:.1f}s (seen from rank {rank})",
-                    tuple(missing),
-                )
-            time.sleep(0.005)
+        try:
+            check_in(store, f"{prefix}/joined", rank, list(ranks), Deadline(timeout_s), what)
+        except RendezvousTimeoutError as exc:
+            raise CommGroupError(f"{exc} (seen from rank {rank})", tuple(exc.missing)) from exc
+
+    def _member_group(
+        self,
+        store: Any,
+        prefix: str,
+        ranks: Sequence[int],
+        rank: int,
+        timeout_s: float,
+        backend: str,
+        what: str,
+    ) -> MemberGroup:
+        """A `MemberGroup` of `ranks` (world ranks); its one check-in names missing world ranks."""
+        try:
+            return MemberGroup.create(store, prefix, ranks.index(rank), len(ranks), timeout_s, backend)
+        except RendezvousTimeoutError as exc:
+            missing = tuple(ranks[m] for m in exc.missing)
+            raise CommGroupError(
+                f"{what}: rank(s) {list(missing)} did not join within {timeout_s:.1f}s "
+                f"(seen from rank {rank})",
+                missing,
+            ) from exc
 
     def init_distributed_env(
         self,
@@ -965,22 +978,8 @@ class BasePolicy(ReshardWorkerMixin):
         timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
         if not dist.is_initialized():
             raise CommGroupError(f"group {group_id!r}: init_distributed_env() must come first")
-        self._join(
-            self._store,
-            f"{self._prefix}/group/{group_id}",
-            self._rank,
-            ranks,
-            timeout_s,
-            f"group {group_id!r}",
-        )
-        group = MemberGroup.create(
-            self._store,
-            f"{self._prefix}/pg/{group_id}",
-            ranks.index(self._rank),
-            len(ranks),
-            timeout_s,
-            backend,
-        )
+        prefix, what = f"{self._prefix}/pg/{group_id}", f"group {group_id!r}"
+        group = self._member_group(self._store, prefix, ranks, self._rank, timeout_s, backend, what)
         self._groups[group_id] = group
         self._group_ranks[group_id] = tuple(ranks)
         if mode != ParallelMode.WEIGHT_TRANSFER.value or mode not in self._groups_by_mode:
@@ -1085,11 +1084,10 @@ class BasePolicy(ReshardWorkerMixin):
             store = connect_store(ip, port, rank, world_size, deadline)
         except RendezvousTimeoutError as exc:
             raise CommGroupError(f"init_collective: {exc}", tuple(exc.missing)) from exc
-        self._join(store, "collective", rank, range(world_size), timeout_s, "init_collective")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        group = MemberGroup.create(
-            store, "collective", rank, world_size, max(deadline.remaining_or(timeout_s), 1.0), backend
-        )
+        left = max(deadline.remaining_or(timeout_s), 1.0)
+        what = "init_collective"
+        group = self._member_group(store, "collective", range(world_size), rank, left, backend, what)
         self.model_update_group = group.process_group
         self._collective_store = store
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -69,6 +70,12 @@ FORMAT = 1
 NUM_SLOTS = 2
 MAX_READERS = 1024
 LIVENESS_PERIOD_S = 0.005
+#: How long `CudaIpcSender.close` waits for readers to close their IPC mappings before freeing
+#: the slots (CUDA: cudaFree of an exported region before the importer's cudaIpcCloseMemHandle
+#: is undefined behaviour).
+DETACH_WAIT_S = 5.0
+
+_log = logging.getLogger(__name__)
 
 # Global words (int64).
 G_MAGIC, G_FORMAT, G_WRITER_PID, G_WRITER_START = 0, 1, 2, 3
@@ -168,6 +175,7 @@ class _CudaOpened:
         self._cp = cp
         self.device = device
         index = device.index if device.index is not None else torch.cuda.current_device()
+        self._index = index
         flag = getattr(cp.cuda.runtime, "cudaIpcMemLazyEnablePeerAccess", 1)
         self._ptrs: list[int] = []
         self.tensors: list[torch.Tensor] = []
@@ -188,10 +196,13 @@ class _CudaOpened:
 
     def close(self) -> None:
         self.tensors = []
-        for ptr in self._ptrs:
-            with contextlib.suppress(Exception):  # the context may be tearing down already
-                self._cp.cuda.runtime.ipcCloseMemHandle(ptr)
-        self._ptrs = []
+        ptrs, self._ptrs = self._ptrs, []  # each mapping is closed once, even if a close fails
+        if not ptrs:
+            return
+        with contextlib.suppress(Exception), self._cp.cuda.Device(self._index):  # the opening context
+            for ptr in ptrs:
+                with contextlib.suppress(Exception):  # the context may be tearing down already
+                    self._cp.cuda.runtime.ipcCloseMemHandle(ptr)
 
 
 class _HostSlots:
@@ -443,14 +454,41 @@ class CudaIpcSender:
         return all(cb.get(cb.reader(i, R_PREPARED)) == session for i in range(self.num_readers))
 
     def close(self) -> None:
-        """Tell readers the channel is gone; free the slots and the control block."""
+        """Tell readers the channel is gone; free the slots and the control block.
+
+        With CUDA slots, first wait (up to `DETACH_WAIT_S`) for live readers to close their IPC
+        mappings: CUDA leaves freeing an exported region that another process still has open
+        undefined.
+        """
         if self._segment.closed:
             return
         self._cb.set(G_CLOSED, 1)
+        if self._slots.kind == "cuda":
+            self._wait_detached(DETACH_WAIT_S)
         self._cb.h = np.zeros(1, dtype=np.int64)
         self._segment.close()
         self._segment.unlink()
         self._slots.close()
+
+    def _wait_detached(self, seconds: float) -> None:
+        cb = self._cb
+
+        def attached() -> list[int]:
+            return [
+                i for i in range(self.num_readers) if cb.get(cb.reader(i, R_ATTACHED)) and cb.reader_alive(i)
+            ]
+
+        end = time.monotonic() + seconds
+        backoff = Backoff(initial=1e-3, maximum=50e-3)
+        while (left := attached()) and time.monotonic() < end:
+            backoff.sleep(end - time.monotonic())
+        if left:
+            _log.warning(
+                "IPC channel %s: reader(s) %s still had the CUDA slots open after %.1fs; freeing them anyway",
+                self.name,
+                left,
+                seconds,
+            )
 
     def __enter__(self) -> CudaIpcSender:
         return self
@@ -517,6 +555,12 @@ class CudaIpcReceiver:
                 )
             slots: _CudaOpened | _HostOpened
             if meta["backend"] == "cuda":
+                if (cb.get(G_WRITER_PID), cb.get(G_WRITER_START)) == (me, my_start):
+                    # CUDA cannot open an IPC handle in the process that exported it.
+                    raise WeightSyncError(
+                        f"IPC channel {name!r}: CUDA slots must be attached from another process "
+                        "than the sender's"
+                    )
                 import_cupy()
                 dev = (
                     torch.device(device)
@@ -662,9 +706,9 @@ class CudaIpcReceiver:
         if self._segment.closed:
             return
         cb = self._cb
+        self._slots.close()  # unmap first: the sender frees CUDA slots once no reader is attached
         cb.set(cb.reader(self.index, R_ATTACHED), 0)
         cb.set(cb.reader(self.index, R_PID), 0)
-        self._slots.close()
         cb.h = np.zeros(1, dtype=np.int64)
         self._segment.close()
 

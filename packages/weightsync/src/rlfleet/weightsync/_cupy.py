@@ -29,5 +29,6 @@ def import_nccl() -> Any:
             f"CuPy is installed but its NCCL bindings are not usable ({exc}); {EXTRAS_HINT}"
         ) from exc
     if not getattr(nccl, "available", True):
-        raise ImportError(f"CuPy was built without NCCL; {EXTRAS_HINT}")
+        # cupy.cuda.nccl swallows the ImportError and sets available=False when libnccl is absent
+        raise ImportError(f"CuPy's NCCL bindings are unavailable (no NCCL library found); {EXTRAS_HINT}")
     return nccl

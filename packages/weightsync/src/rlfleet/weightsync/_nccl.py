@@ -33,7 +33,11 @@ __all__ = ["NcclReceiver", "NcclSender", "NcclWire", "decode_unique_id", "encode
 
 
 def encode_unique_id(uid: Any) -> str:
-    """A NCCL unique id (bytes in CuPy >= 13, a tuple of ints before) as JSON text."""
+    """A NCCL unique id as JSON text.
+
+    CuPy's ``nccl.get_unique_id()`` returns a tuple of 128 C ``char`` values (signed on x86-64,
+    unsigned on aarch64); raw bytes are accepted too. Either form decodes back unchanged.
+    """
     if isinstance(uid, (bytes, bytearray)):
         return json.dumps({"b64": base64.b64encode(bytes(uid)).decode()})
     return json.dumps({"ints": [int(x) for x in uid]})
@@ -69,6 +73,20 @@ def _cuda_device(device: str | torch.device | int | None) -> torch.device:
     if dev.type != "cuda":
         raise ValueError(f"the NCCL transport needs a cuda device, got {dev}")
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _communicator(nccl: Any, world_size: int, uid: bytes | tuple[int, ...], rank: int) -> Any:
+    """``NcclCommunicator(ndev, commId, rank)``: CuPy types `commId` as a tuple of 128 C chars.
+
+    Bytes are refused there (TypeError), and each item must fit this platform's ``char``: signed
+    on x86-64, unsigned on aarch64. The id is tried signed, then unsigned; a value that does not
+    fit raises OverflowError while CuPy copies the id, before ``ncclCommInitRank`` runs.
+    """
+    raw = bytes(x & 0xFF for x in uid)
+    try:
+        return nccl.NcclCommunicator(world_size, tuple(b - 256 if b >= 128 else b for b in raw), rank)
+    except OverflowError:
+        return nccl.NcclCommunicator(world_size, tuple(raw), rank)
 
 
 class _NcclPending:
@@ -137,8 +155,8 @@ class NcclWire(_WireBase):
                 )
             backoff.sleep(deadline.remaining())
         uid = decode_unique_id(store.get(key))
-        with torch.cuda.device(dev):
-            comm = nccl.NcclCommunicator(world_size, uid, rank)
+        with torch.cuda.device(dev):  # the communicator binds to the current device
+            comm = _communicator(nccl, world_size, uid, rank)
         return cls(comm, rank, world_size, src, dev)
 
     def _launch(self, tensor: torch.Tensor, op: str) -> _NcclPending:
