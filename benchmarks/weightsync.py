@@ -203,22 +203,32 @@ def _best(times: list[float]) -> float:
     return min(times)
 
 
-def run_seed_ray(
-    state: dict[str, torch.Tensor], receivers: int, rounds: int, store_bytes: int
-) -> tuple[list[float], list[float]]:
-    """Round times of the seed's path, with and without the receivers' load into their models."""
-    import ray
+class SeedRay:
+    """The seed's path, set up once (a local Ray, its buffer actor, `receivers` receiver actors)."""
 
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink("/tmp/ray/ray_current_cluster")
-    ray.init(
-        num_cpus=2,
-        object_store_memory=store_bytes,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    try:
+    def __init__(self, state: dict[str, torch.Tensor], receivers: int, store_bytes: int) -> None:
+        import ray
+
+        self._ray = ray
+        self.state = state
+        self.receivers = receivers
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink("/tmp/ray/ray_current_cluster")
+        ray.init(
+            num_cpus=2,
+            object_store_memory=store_bytes,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        try:
+            self._start_actors()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_actors(self) -> None:
+        ray = self._ray
 
         @ray.remote(num_cpus=0)
         class SeedSharedWeightBuffer:
@@ -257,35 +267,29 @@ def run_seed_ray(
                 self.weights = weights
                 return len(weights)
 
-        buffer = SeedSharedWeightBuffer.remote()  # type: ignore[attr-defined]
-        shapes = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
-        actors = [SeedReceiver.remote(shapes) for _ in range(receivers)]  # type: ignore[attr-defined]
-        ray.get([a.__ray_ready__.remote() for a in [buffer, *actors]])
+        self.buffer = SeedSharedWeightBuffer.remote()  # type: ignore[attr-defined]
+        shapes = {name: (tuple(t.shape), t.dtype) for name, t in self.state.items()}
+        self.actors = [SeedReceiver.remote(shapes) for _ in range(self.receivers)]  # type: ignore[attr-defined]
+        ray.get([a.__ray_ready__.remote() for a in [self.buffer, *self.actors]])
 
-        def one_round(load: bool) -> float:
-            start = time.perf_counter()
-            arrays = {
-                name: (t.view(torch.uint16).numpy(), True)
-                if t.dtype == torch.bfloat16
-                else (t.numpy(), False)
-                for name, t in state.items()
-            }
-            ref = ray.put(arrays)
-            ray.get(buffer.put_state_dict.remote(ref))
-            counts = ray.get([a.fetch.remote(buffer, load) for a in actors])
-            elapsed = time.perf_counter() - start
-            assert counts == [len(state)] * receivers
-            del ref, arrays
-            return elapsed
+    def one_round(self, load: bool) -> float:
+        """One version: numpy views -> ray.put -> buffer actor -> each receiver's ray.get (+ load)."""
+        ray = self._ray
+        start = time.perf_counter()
+        arrays = {
+            name: (t.view(torch.uint16).numpy(), True) if t.dtype == torch.bfloat16 else (t.numpy(), False)
+            for name, t in self.state.items()
+        }
+        ref = ray.put(arrays)
+        ray.get(self.buffer.put_state_dict.remote(ref))
+        counts = ray.get([a.fetch.remote(self.buffer, load) for a in self.actors])
+        elapsed = time.perf_counter() - start
+        assert counts == [len(self.state)] * self.receivers
+        del ref, arrays
+        return elapsed
 
-        one_round(True)  # warm-up
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(rounds):  # interleaved: both see the same machine
-            for load in (True, False):
-                times[load].append(one_round(load))
-        return times[True], times[False]
-    finally:
-        ray.shutdown()
+    def close(self) -> None:
+        self._ray.shutdown()
         with contextlib.suppress(FileNotFoundError):
             os.unlink("/tmp/ray/ray_current_cluster")
 
@@ -307,52 +311,58 @@ def part1(args: Any) -> dict[str, dict[str, Any]]:
     # One thread for every method: on a small shared machine, intra-op threads fight other work.
     torch.set_num_threads(1)
 
-    # memcpy bound, with the copy threads `publish` uses
+    # Every method is set up first, then the rounds interleave them, so all see the same machine.
     threads = default_copy_threads()
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    copy_tensors([dst], [src], threads)
-    memcpy = []
-    for _ in range(rounds * 2):
-        start = time.perf_counter()
-        copy_tensors([dst], [src], threads)
-        memcpy.append(time.perf_counter() - start)
-    del src, dst
-    gc.collect()
-
-    # ours
+    store = int(max(1 * GiB, (receivers + 2) * nbytes * 1.3))
+    memcpy: list[float] = []
     ours: list[float] = []
     publish_only: list[float] = []
+    seed: list[float] = []
+    seed_no_load: list[float] = []
     with SharedBuffer(layout, receivers, timeout_s=TIMEOUT) as shared:
         shared.publish(state, 1)
         group = Receivers(shared.name, receivers)
+        seed_path = None
         try:
+            seed_path = SeedRay(state, receivers, store)
             version = 1
             group.bind(version)
-            for _ in range(2):  # warm both slots
-                version += 1
-                bump(state)
-                shared.publish(state, version)
-                group.bind(version)
-            for _ in range(rounds):
+
+            def ours_round() -> tuple[float, float]:
+                nonlocal version
                 version += 1
                 bump(state)
                 start = time.perf_counter()
                 shared.publish(state, version)
                 written = time.perf_counter()
                 group.bind(version)
-                ours.append(time.perf_counter() - start)
-                publish_only.append(written - start)
+                return time.perf_counter() - start, written - start
+
+            def memcpy_round() -> float:
+                start = time.perf_counter()
+                copy_tensors([dst], [src], threads)
+                return time.perf_counter() - start
+
+            memcpy_round()  # warm-up: both slots, the copy buffers, the seed's actors
+            for _ in range(2):
+                ours_round()
+            seed_path.one_round(True)
+            for _ in range(rounds):
+                memcpy.append(memcpy_round())
+                total, written = ours_round()
+                ours.append(total)
+                publish_only.append(written)
+                seed.append(seed_path.one_round(True))
+                seed_no_load.append(seed_path.one_round(False))
             expected = checksum(state)
             if set(group.checksums()) != {expected}:
                 raise RuntimeError("a receiver's weights differ from the sender's")
         finally:
             group.close()
-    gc.collect()
-
-    # seed (Ray)
-    store = int(max(1 * GiB, (receivers + 2) * nbytes * 1.3))
-    seed, seed_no_load = run_seed_ray(state, receivers, max(3, rounds - 2), store)
+            if seed_path is not None:
+                seed_path.close()
 
     runs = {
         "memcpy bound": memcpy,

@@ -52,3 +52,29 @@ def test_copy_tensors_rejects_bad_arguments() -> None:
     with pytest.raises(RuntimeError):
         copy_tensors([torch.zeros(64 * MiB // 4)], [torch.zeros(3)], 2)  # shapes do not broadcast
     assert 1 <= default_copy_threads() <= 8
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copy_tensors_behaves_as_copy_for_autograd_views_and_shapes(threads: int) -> None:
+    big = 40 * MiB  # large enough to be split across threads
+    dst, src = torch.zeros(big, dtype=torch.uint8), torch.ones(big, dtype=torch.uint8)
+    before = dst._version
+    copy_tensors([dst], [src], threads)
+    assert dst._version > before  # autograd sees the write, as with copy_
+    assert torch.equal(dst, src)
+
+    param = torch.nn.Parameter(torch.zeros(big // 4))
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        copy_tensors([param], [torch.ones(big // 4)], threads)
+    with torch.no_grad():
+        copy_tensors([param], [torch.ones(big // 4)], threads)
+    assert bool((param == 1).all())
+
+    with pytest.raises(RuntimeError):  # same number of elements, shapes that do not broadcast
+        copy_tensors([torch.zeros(2, big // 8)], [torch.zeros(big // 8, 2)], threads)
+
+    z = torch.randn(1000, dtype=torch.complex64)
+    for view in (z.conj(), torch.randn(1000).neg()._neg_view()):  # lazy bits: logical values
+        out = torch.empty_like(view.resolve_conj().resolve_neg())
+        copy_tensors([out], [view], threads)
+        assert torch.equal(out, view.resolve_conj().resolve_neg())
