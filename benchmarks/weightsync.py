@@ -7,13 +7,17 @@ tensors and a few int64 ones (the same spec as part 2).
 
 Part 1: one sender, 3 receiver processes on this node, one new version each round. A round
 starts when the sender begins writing and ends when the last receiver holds torch tensors of
-the new version. Each method is run several times, interleaved, after a warm-up; the best
-round counts (the machine is shared: the fastest round is the least disturbed), medians are
+the new version. Every method is set up first (our receivers and the seed's Ray actors live
+side by side), then run several times, rounds interleaved, after a warm-up; the best round
+counts (the machine is shared: the fastest round is the least disturbed), medians are
 printed too.
 
   memcpy bound   one copy of the model's bytes (one flat tensor) into a warm buffer, with as
-                 many copy threads as `publish` uses (`copy_tensors`, one per CPU here): the
-                 least any path that writes one copy of the bytes can cost.
+                 many copy threads as `publish` uses (`copy_tensors`: the C library's memmove,
+                 one thread per CPU here): the least any path that writes one copy of the bytes
+                 can cost. One flat copy is large enough for memmove's streaming stores; the
+                 model's own tensors (at most 32 MiB here) are not, which is most of what
+                 separates `publish` from this bound.
   ours (Shared)  `SharedBuffer.publish` packs the state dict straight into the free slot of the
                  node's segment (one copy serves every receiver); each receiver process then
                  `refresh()`es: the tensors of its model become read-only zero-copy views of
