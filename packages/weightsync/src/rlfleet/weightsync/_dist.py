@@ -96,14 +96,13 @@ class _TorchPending:
             raise map_dist_error(exc, what) from exc
 
 
-class _WireBase:
-    """What every `Wire` states about itself: its device, its rank, the group size, the source."""
+class _GroupMember:
+    """What every wire states about itself: its device, its rank and the group's size."""
 
-    def __init__(self, device: torch.device, rank: int, size: int, src: int) -> None:
+    def __init__(self, device: torch.device, rank: int, size: int) -> None:
         self._device = device
         self._rank = rank
         self._size = size
-        self._src = src
 
     @property
     def device(self) -> torch.device:
@@ -117,6 +116,14 @@ class _WireBase:
     @property
     def size(self) -> int:
         return self._size
+
+
+class _WireBase(_GroupMember):
+    """A broadcast `Wire`: a group member that also knows the group rank of the sender."""
+
+    def __init__(self, device: torch.device, rank: int, size: int, src: int) -> None:
+        super().__init__(device, rank, size)
+        self._src = src
 
     @property
     def src(self) -> int:

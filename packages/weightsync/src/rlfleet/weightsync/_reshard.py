@@ -54,7 +54,7 @@ from torch._C import _distributed_c10d as _c10d
 
 from rlfleet.weightsync._cupy import import_nccl
 from rlfleet.weightsync._deadline import Deadline
-from rlfleet.weightsync._dist import _TorchPending, map_dist_error
+from rlfleet.weightsync._dist import _GroupMember, _TorchPending, map_dist_error
 from rlfleet.weightsync._dtypes import dtype_from_name
 from rlfleet.weightsync._errors import (
     LayoutMismatchError,
@@ -416,7 +416,7 @@ def _group_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-class TorchP2PWire:
+class TorchP2PWire(_GroupMember):
     """A torch.distributed process group (registered or not) as a `P2PWire`; ranks are group ranks."""
 
     def __init__(self, group: Any = None, device: str | torch.device | None = None) -> None:
@@ -427,21 +427,8 @@ class TorchP2PWire:
         if not _is_torch_group(group):
             raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
         self.group: Any = group
-        self._device = torch.device(device) if device is not None else _group_device(group)
-        self._rank = int(group.rank())
-        self._size = int(group.size())
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
+        dev = torch.device(device) if device is not None else _group_device(group)
+        super().__init__(dev, int(group.rank()), int(group.size()))
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> _TorchPending:
         try:
@@ -462,7 +449,7 @@ class TorchP2PWire:
             raise map_dist_error(exc, "all_reduce") from exc
 
 
-class NcclP2PWire:  # pragma: no cover - needs several GPUs and cupy
+class NcclP2PWire(_GroupMember):  # pragma: no cover - needs several GPUs and cupy
     """A cupy NCCL communicator (`NcclWire`: bounded rendezvous, side stream, abort at the
     deadline) as a `P2PWire` for multi-GPU reshards.
 
@@ -472,6 +459,7 @@ class NcclP2PWire:  # pragma: no cover - needs several GPUs and cupy
     """
 
     def __init__(self, wire: NcclWire) -> None:
+        super().__init__(wire.device, wire.rank, wire.size)
         self.base = wire
 
     @classmethod
@@ -485,18 +473,6 @@ class NcclP2PWire:  # pragma: no cover - needs several GPUs and cupy
         name: str = "reshard",
     ) -> NcclP2PWire:
         return cls(NcclWire.create(store, rank, world_size, 0, device, deadline, name))
-
-    @property
-    def device(self) -> torch.device:
-        return self.base.device
-
-    @property
-    def rank(self) -> int:
-        return self.base.rank
-
-    @property
-    def size(self) -> int:
-        return self.base.size
 
     def _launch(self, tensor: torch.Tensor, peer: int, op: str) -> _NcclPending:
         base = self.base
