@@ -76,10 +76,11 @@ def _pieces(
 
 def _raw(dst: torch.Tensor, src: torch.Tensor, grad_enabled: bool) -> bool:
     """Whether ``dst.copy_(src)`` is exactly a byte copy of ``src``'s storage range."""
-    return (
-        dst.device.type == src.device.type == "cpu"
+    return (  # cheapest checks first: this runs once per tensor of a model, every version
+        dst.dtype == src.dtype
+        and dst.is_cpu
+        and src.is_cpu
         and dst.layout == src.layout == torch.strided
-        and dst.dtype == src.dtype
         and dst.shape == src.shape  # copy_ broadcasts or refuses other shapes: leave them to it
         and dst.is_contiguous()
         and src.is_contiguous()
@@ -89,21 +90,22 @@ def _raw(dst: torch.Tensor, src: torch.Tensor, grad_enabled: bool) -> bool:
     )
 
 
-def _plain(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], grad_enabled: bool) -> list[bool]:
-    return [_raw(d, s, grad_enabled) for d, s in zip(dsts, srcs, strict=True)]
+def _copy_share(dsts: list[torch.Tensor], srcs: list[torch.Tensor], grad_enabled: bool) -> None:
+    """One thread's share: byte copies by ``memmove`` (GIL released), the rest by torch.
 
-
-def _copy_share(dsts: list[torch.Tensor], srcs: list[torch.Tensor], raw: list[bool]) -> None:
-    """One thread's share: byte copies by ``memmove`` (GIL released), the rest by torch."""
+    `grad_enabled` is the caller's grad mode (thread-local, so passed in).
+    """
     rest_d: list[torch.Tensor] = []
     rest_s: list[torch.Tensor] = []
-    for dst, src, plain in zip(dsts, srcs, raw, strict=True):
-        if not plain:
+    written: list[torch.Tensor] = []
+    for dst, src in zip(dsts, srcs, strict=True):
+        if not _raw(dst, src, grad_enabled):
             rest_d.append(dst)
             rest_s.append(src)
-        elif dst.numel():
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
-    written = [d for d, plain in zip(dsts, raw, strict=True) if plain]
+            continue
+        if dst.numel():
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes)
+        written.append(dst)
     if written:
         increment_version(written)
     if rest_d:
@@ -129,7 +131,7 @@ def copy_tensors(
     grad_enabled = torch.is_grad_enabled()  # thread-local: decided here, for every thread
     if threads == 1 or not dsts:
         if dsts:
-            _copy_share(list(dsts), list(srcs), _plain(dsts, srcs, grad_enabled))
+            _copy_share(list(dsts), list(srcs), grad_enabled)
         return
     pieces = _pieces(dsts, srcs, -(-total // (threads * 4)))  # ~4 pieces per thread: balance
     # greedy: the largest pieces first, each to the least loaded thread
@@ -140,14 +142,11 @@ def copy_tensors(
         shares[i][0].append(dst)
         shares[i][1].append(src)
         loads[i] += dst.numel() * dst.element_size()
-    raw = [_plain(d, s, grad_enabled) for d, s in shares]
-    futures = [
-        _executor().submit(_copy_share, d, s, r) for (d, s), r in zip(shares[1:], raw[1:], strict=True) if d
-    ]
+    futures = [_executor().submit(_copy_share, d, s, grad_enabled) for d, s in shares[1:] if d]
     first_error: BaseException | None = None
     try:
         if shares[0][0]:
-            _copy_share(shares[0][0], shares[0][1], raw[0])
+            _copy_share(shares[0][0], shares[0][1], grad_enabled)
     except BaseException as exc:  # still wait for the others: nobody may write after we return
         first_error = exc
     for future in futures:
