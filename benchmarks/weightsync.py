@@ -19,10 +19,14 @@ printed too.
                  model's own tensors (at most 32 MiB here) are not, which is most of what
                  separates `publish` from this bound.
   ours (Shared)  `SharedBuffer.publish` packs the state dict straight into the free slot of the
-                 node's segment (one copy serves every receiver); each receiver process then
+                 node's segment (one copy serves every receiver). The trainer's tensors were
+                 `adopt`ed once, before the rounds: they live in one block laid out as a slot,
+                 so the copy is one streaming block copy; each receiver process then
                  `refresh()`es: the tensors of its model become read-only zero-copy views of
                  the new slot (that rebind is its whole "load"). Includes the command/reply
                  round trip to the receiver processes.
+  ours, scattered  the same from a copy of the state dict whose tensors lie where torch
+                 allocated them, one by one (a copy per tensor): reported beside the claim.
   seed (Ray)     the rlightning "Shared" CPU buffer, re-implemented faithfully: the sender
                  converts its state dict to numpy (bf16 viewed as uint16, zero-copy on CPU),
                  `ray.put`s it and hands it to a per-node buffer actor that keeps it; each
@@ -322,10 +326,13 @@ def part1(args: Any) -> dict[str, dict[str, Any]]:
     store = int(max(1 * GiB, (receivers + 2) * nbytes * 1.3))
     memcpy: list[float] = []
     ours: list[float] = []
+    ours_scattered: list[float] = []
     publish_only: list[float] = []
     seed: list[float] = []
     seed_no_load: list[float] = []
+    scattered = {name: t.clone() for name, t in state.items()}  # one allocation per tensor
     with SharedBuffer(layout, receivers, timeout_s=TIMEOUT) as shared:
+        shared.adopt(state)  # the trainer's tensors move into one block laid out as a slot
         shared.publish(state, 1)
         group = Receivers(shared.name, receivers)
         seed_path = None
@@ -334,12 +341,12 @@ def part1(args: Any) -> dict[str, dict[str, Any]]:
             version = 1
             group.bind(version)
 
-            def ours_round() -> tuple[float, float]:
+            def ours_round(source: dict[str, torch.Tensor]) -> tuple[float, float]:
                 nonlocal version
                 version += 1
-                bump(state)
+                bump(source)
                 start = time.perf_counter()
-                shared.publish(state, version)
+                shared.publish(source, version)
                 written = time.perf_counter()
                 group.bind(version)
                 return time.perf_counter() - start, written - start
@@ -350,12 +357,13 @@ def part1(args: Any) -> dict[str, dict[str, Any]]:
                 return time.perf_counter() - start
 
             memcpy_round()  # warm-up: both slots, the copy buffers, the seed's actors
-            for _ in range(2):
-                ours_round()
+            for source in (scattered, state):
+                ours_round(source)
             seed_path.one_round(True)
             for _ in range(rounds):
                 memcpy.append(memcpy_round())
-                total, written = ours_round()
+                ours_scattered.append(ours_round(scattered)[0])
+                total, written = ours_round(state)  # last: the receivers end on `state`
                 ours.append(total)
                 publish_only.append(written)
                 seed.append(seed_path.one_round(True))
@@ -371,6 +379,7 @@ def part1(args: Any) -> dict[str, dict[str, Any]]:
     runs = {
         "memcpy bound": memcpy,
         "ours (Shared)": ours,
+        "ours, scattered": ours_scattered,
         "seed (Ray)": seed,
         "seed, no load": seed_no_load,
     }

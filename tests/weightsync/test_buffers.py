@@ -545,3 +545,40 @@ def test_copy_version_pins_its_slot_and_checks_versions_and_layouts() -> None:
             copier_reader.copy_version(3, DoubleBuffer(live_tensors(w.module_for(other)), other), w.TIMEOUT)
         copier_reader.close()
         viewer.close()
+
+
+def test_shared_writer_adopts_its_tensors_and_publishes_them_as_one_block() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    model.register_buffer("steps", torch.arange(5, dtype=torch.int64))
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    state = model.state_dict(keep_vars=True)
+    before = checksum(state)
+    layout = Layout.from_state_dict(state, 4096)
+    with SharedBuffer(layout, 1, timeout_s=30) as shared, SharedBufferReader.attach(shared.name) as reader:
+        shared.adopt(model)
+        assert checksum(model.state_dict()) == before  # values kept
+        assert list(model.parameters()) == params  # same Parameter objects: the optimizer still works
+        block = shared._adopted
+        assert block is not None
+        lo, hi = block.data_ptr(), block.data_ptr() + block.numel()
+        assert all(lo <= t.data_ptr() < hi for t in model.state_dict().values())
+
+        model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
+        optimizer.step()  # trains in place, inside the block
+        assert shared._adopted_source(model.state_dict()) is block
+        shared.publish(model.state_dict(), 1)
+        reader.refresh()
+        assert checksum(reader.tensors()) == checksum(model.state_dict()) != before
+
+        # a tensor moved out of the block, or a non-contiguous one: the per-tensor path, same bytes
+        with torch.no_grad():
+            model[0].weight.data = model[0].weight.data.t()
+        assert shared._adopted_source(model.state_dict()) is None
+        shared.publish(model.state_dict(), 2)
+        reader.refresh()
+        assert checksum(reader.tensors()) == checksum(model.state_dict())
+
+    with SharedBuffer(layout, 1, timeout_s=30) as shared, pytest.raises(LayoutMismatchError):
+        shared.adopt({"0.weight": torch.zeros(3)})

@@ -4,9 +4,10 @@ The segment holds two slots, each a flat all-buckets copy of the model (`pack_al
 version v stays readable while v+1 is written. One node writer fills the free slot, either as a
 `BucketConsumer` (fed by any transport: the node's receiver of a cross-node sync) or with
 `publish(state_dict, version)` straight from a trainer on the node (one copy of the bytes
-serves every local receiver). Readers map the data read-only and bind their parameters to
-zero-copy views of the newest committed slot, so per-node weight memory is two model copies
-whatever the number of receivers.
+serves every local receiver). A trainer that `adopt`s its tensors keeps them in one flat block
+laid out like a slot, and each `publish` is then a single streaming copy of that block.
+Readers map the data read-only and bind their parameters to zero-copy views of the newest
+committed slot, so per-node weight memory is two model copies whatever the number of receivers.
 
 Safety: each reader records in the header which slot it is bound to (with its pid and start
 time), and which slot it pins while it checks or copies one. The writer marks the slot it is
@@ -32,7 +33,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from rlfleet.weightsync._buffers import BufferBase
+from rlfleet.weightsync._buffers import BufferBase, live_tensors
 from rlfleet.weightsync._copy import copy_tensors
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import (
@@ -194,6 +195,8 @@ class SharedBuffer(BufferBase):
         self._writing: int | None = None
         self._begin_deadline: Deadline | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
+        self._adopted: torch.Tensor | None = None  # the writer's own tensors, laid out as a slot
+        self._adopted_ptrs: list[int] = []
 
     @property
     def name(self) -> str:
@@ -295,15 +298,55 @@ class SharedBuffer(BufferBase):
         try:
             with self._state_lock:
                 assert self._writing is not None
-                targets = self._slot_views(self._writing)
-                sources = [state_dict[name].detach() for name in self._layout.names]
-                # foreach copies per thread: no per-tensor Python overhead for 1000s of small ones
-                copy_tensors(targets, sources, threads)
+                adopted = self._adopted_source(state_dict)
+                if adopted is not None:  # one block: the C library's streaming copy, split by thread
+                    slot = self._slots[self._writing]
+                    copy_tensors([slot[: adopted.numel()]], [adopted], threads)
+                else:
+                    targets = self._slot_views(self._writing)
+                    sources = [state_dict[name].detach() for name in self._layout.names]
+                    copy_tensors(targets, sources, threads)
                 self._received.update(range(len(self._layout.buckets)))
             self.commit(version)
         except BaseException as exc:
             self.abort(exc)
             raise
+
+    def adopt(self, targets: Mapping[str, torch.Tensor] | torch.nn.Module) -> None:
+        """Move the writer's tensors into one flat block laid out like a slot; `publish` of them is
+        then one contiguous copy instead of one per tensor.
+
+        Each target's ``.data`` becomes a view into the block (its values are kept, Parameter
+        objects and optimizers that hold them are unaffected); the old storages are released if
+        nothing else holds them. Pass a module, or a ``state_dict(keep_vars=True)``. CPU tensors
+        only. A later `publish` whose tensors are not these views (rebound or replaced) takes
+        the per-tensor path, with the same result.
+        """
+        live = live_tensors(targets) if isinstance(targets, torch.nn.Module) else dict(targets)
+        self._layout.check_state_dict(live)
+        names = self._layout.names
+        on_other = sorted({t.device.type for t in live.values()} - {"cpu"})
+        if on_other:
+            raise ValueError(f"SharedBuffer.adopt: CPU tensors only, got tensors on {on_other}")
+        block = torch.empty(self._layout.padded_bytes, dtype=torch.uint8)
+        views = flat_views(self._layout, block)
+        with torch.no_grad():
+            copy_tensors([views[n] for n in names], [live[n].detach() for n in names])
+            for name in names:
+                live[name].data = views[name]
+        self._adopted = block
+        self._adopted_ptrs = [views[n].data_ptr() for n in names]
+
+    def _adopted_source(self, state_dict: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The adopted block, if every tensor of `state_dict` is still its view; else None."""
+        block = self._adopted
+        if block is None:
+            return None
+        for name, ptr in zip(self._layout.names, self._adopted_ptrs, strict=True):
+            tensor = state_dict[name]
+            if tensor.data_ptr() != ptr or not tensor.is_contiguous() or tensor.device.type != "cpu":
+                return None
+        return block
 
     def _slot_views(self, slot: int) -> list[torch.Tensor]:
         """Typed views of every tensor inside a slot, in layout order (built once per slot)."""
@@ -321,6 +364,7 @@ class SharedBuffer(BufferBase):
         self._header.set(G_CLOSED, 1)
         self._slots = []
         self._views = {}
+        self._adopted, self._adopted_ptrs = None, []
         self._header = _Header(np.zeros(_words(self.num_readers), dtype=np.int64))
         self._crcs = np.zeros((SLOTS, len(self._layout.buckets)), dtype=np.int64)
         self._segment.close()
