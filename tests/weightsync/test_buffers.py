@@ -29,6 +29,7 @@ from rlfleet.weightsync import (
     VersionError,
     WeightSyncError,
     checksum,
+    flat_block,
     live_tensors,
     pack_bucket,
 )
@@ -560,14 +561,14 @@ def test_shared_writer_adopts_its_tensors_and_publishes_them_as_one_block() -> N
         shared.adopt(model)
         assert checksum(model.state_dict()) == before  # values kept
         assert list(model.parameters()) == params  # same Parameter objects: the optimizer still works
-        block = shared._adopted
+        block = flat_block(layout, model.state_dict())
         assert block is not None
         lo, hi = block.data_ptr(), block.data_ptr() + block.numel()
         assert all(lo <= t.data_ptr() < hi for t in model.state_dict().values())
 
         model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
         optimizer.step()  # trains in place, inside the block
-        assert shared._adopted_source(model.state_dict()) is block
+        assert flat_block(layout, model.state_dict()) is not None  # still in the block
         shared.publish(model.state_dict(), 1)
         reader.refresh()
         assert checksum(reader.tensors()) == checksum(model.state_dict()) != before
@@ -575,7 +576,7 @@ def test_shared_writer_adopts_its_tensors_and_publishes_them_as_one_block() -> N
         # a tensor moved out of the block, or a non-contiguous one: the per-tensor path, same bytes
         with torch.no_grad():
             model[0].weight.data = model[0].weight.data.t()
-        assert shared._adopted_source(model.state_dict()) is None
+        assert flat_block(layout, model.state_dict()) is None
         shared.publish(model.state_dict(), 2)
         reader.refresh()
         assert checksum(reader.tensors()) == checksum(model.state_dict())

@@ -94,6 +94,13 @@ def test_bit_exact_to_every_receiver(protocol_run: dict[int, Any]) -> None:
             assert got["applied"] == version
             assert got["checksum"] == _expected(version)
     assert protocol_run[2]["landed"] > 0  # rank 2's large tensors landed in place (TensorTarget)
+    # a sender whose tensors were adopted into one block sends its slices as they lie
+    assert sender["adopted_in_block"] is True
+    assert sender["adopted"]["ok"], sender["adopted"]
+    for rank in (1, 2):
+        got = protocol_run[rank]["adopted"]
+        assert got["ok"], got
+        assert got["checksum"] == _expected(4)
 
 
 @pytest.mark.timeout(200)

@@ -255,3 +255,69 @@ def test_oversized_metadata_is_refused_before_parsing() -> None:
         Layout.from_json(raw, max_bytes=len(raw) - 1)
     with pytest.raises(MetadataError, match="limit"):
         Layout.from_json(b" " * (64 * 1024 * 1024 + 1))
+
+
+def test_adopt_keeps_values_and_objects_and_flat_block_recognizes_the_block() -> None:
+    from rlfleet.weightsync import adopt, flat_block, flat_views
+
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "w": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "t": torch.randn(40, 24, generator=g).t(),  # non-contiguous: becomes a contiguous view
+        "ids": torch.randint(0, 1000, (9,), generator=g),
+        "flag": torch.tensor(True),
+        "none": torch.zeros(0, 3),
+    }
+    param = torch.nn.Parameter(torch.randn(8, generator=g))
+    state["p"] = param
+    before = checksum(state)
+    layout = Layout.from_state_dict(state, 1024)
+    assert flat_block(layout, state) is None  # scattered
+    block = adopt(state, layout)
+    assert checksum(state) == before
+    assert state["p"] is param
+    assert param.requires_grad
+    found = flat_block(layout, state)
+    assert found is not None
+    assert found.data_ptr() == block.data_ptr()
+    assert found.numel() == layout.padded_bytes
+    views = flat_views(layout, found)
+    for name, tensor in state.items():
+        assert views[name].data_ptr() == tensor.data_ptr() or not tensor.numel()
+
+    moved = dict(state)
+    moved["ids"] = state["ids"].clone()  # one tensor elsewhere: not a block any more
+    assert flat_block(layout, moved) is None
+    with torch.no_grad():
+        state["w"].data = state["w"].data[:, :].t().t()  # same place, still contiguous
+    assert flat_block(layout, state) is not None
+
+    with pytest.raises(LayoutMismatchError):
+        adopt({"w": torch.zeros(2)}, layout)
+
+
+def test_flat_block_never_reads_ahead_of_a_lazy_mapping() -> None:
+    from collections.abc import Iterator, Mapping
+
+    from rlfleet.weightsync import adopt, flat_block
+
+    state = {"a": torch.ones(4), "b": torch.zeros(3)}
+    layout = Layout.from_state_dict(state, 1024)
+    adopt(state, layout)
+
+    class Lazy(Mapping[str, torch.Tensor]):  # e.g. a gather per parameter on access
+        reads = 0
+
+        def __getitem__(self, key: str) -> torch.Tensor:
+            Lazy.reads += 1
+            return state[key]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(state)
+
+        def __len__(self) -> int:
+            return len(state)
+
+    assert flat_block(layout, Lazy()) is None
+    assert Lazy.reads == 0
+    assert flat_block(layout, state) is not None

@@ -310,7 +310,7 @@ DEADLINE = 30.0
 
 def scenario_protocol(rank: int, world: int, port: int) -> dict[str, Any]:
     """Sender rank 0; rank 1 lands buckets in its consumer's storage, the others use buffers."""
-    from rlfleet.weightsync import BroadcastReceiver, BroadcastSender
+    from rlfleet.weightsync import BroadcastReceiver, BroadcastSender, adopt, flat_block
 
     init(rank, world, port)
     base = make_state(0)
@@ -333,6 +333,10 @@ def scenario_protocol(rank: int, world: int, port: int) -> dict[str, Any]:
         del missing["layers.50.w"]
         steps["upfront"] = send(missing, 3)
         steps["v3"] = send(make_state(3), 3)
+        adopted = make_state(4)
+        adopt(adopted, layout)  # every bucket is now a slice of one block: sent without packing
+        steps["adopted_in_block"] = flat_block(layout, adopted) is not None
+        steps["adopted"] = send(adopted, 4)
         steps["broken"] = sender.broken
         return steps
     receiver = BroadcastReceiver(layout, None, 0)
@@ -360,6 +364,7 @@ def scenario_protocol(rank: int, world: int, port: int) -> dict[str, Any]:
     steps["midway"] = recv(consumer)
     steps["upfront"] = recv(consumer)
     steps["v3"] = recv(consumer)
+    steps["adopted"] = recv(consumer)
     steps["aborts"] = len(consumer.aborts)
     steps["landed"] = len(consumer._landed)
     steps["broken"] = receiver.broken

@@ -1,6 +1,7 @@
 """rlfleet.weightsync: bucketed, versioned, atomic weight sync from trainers to rollout workers."""
 
 from rlfleet.weightsync.__about__ import __version__
+from rlfleet.weightsync._block import adopt, flat_block
 from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, ServingLock, live_tensors
 from rlfleet.weightsync._copy import copy_tensors, default_copy_threads
 from rlfleet.weightsync._cuda_ipc import ControlBlock, CudaIpcReceiver, CudaIpcSender
@@ -102,8 +103,10 @@ __all__ = [
     "ReshardStats",
     "TorchP2PWire",
     "Transfer",
+    "adopt",
     "copy_tensors",
     "default_copy_threads",
+    "flat_block",
     "BroadcastReceiver",
     "BroadcastSender",
     "BucketTarget",

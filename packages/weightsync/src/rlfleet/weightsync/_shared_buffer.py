@@ -33,7 +33,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from rlfleet.weightsync._buffers import BufferBase, live_tensors
+from rlfleet.weightsync._block import adopt, flat_block
+from rlfleet.weightsync._buffers import BufferBase
 from rlfleet.weightsync._copy import copy_tensors
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import (
@@ -195,8 +196,6 @@ class SharedBuffer(BufferBase):
         self._writing: int | None = None
         self._begin_deadline: Deadline | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
-        self._adopted: torch.Tensor | None = None  # the writer's own tensors, laid out as a slot
-        self._adopted_ptrs: list[int] = []
 
     @property
     def name(self) -> str:
@@ -298,10 +297,10 @@ class SharedBuffer(BufferBase):
         try:
             with self._state_lock:
                 assert self._writing is not None
-                adopted = self._adopted_source(state_dict)
-                if adopted is not None:  # one block: the C library's streaming copy, split by thread
+                block = flat_block(self._layout, state_dict)
+                if block is not None and block.device.type == "cpu":  # one streaming block copy
                     slot = self._slots[self._writing]
-                    copy_tensors([slot[: adopted.numel()]], [adopted], threads)
+                    copy_tensors([slot[: block.numel()]], [block], threads)
                 else:
                     targets = self._slot_views(self._writing)
                     sources = [state_dict[name].detach() for name in self._layout.names]
@@ -313,40 +312,18 @@ class SharedBuffer(BufferBase):
             raise
 
     def adopt(self, targets: Mapping[str, torch.Tensor] | torch.nn.Module) -> None:
-        """Move the writer's tensors into one flat block laid out like a slot; `publish` of them is
-        then one contiguous copy instead of one per tensor.
+        """Move the writer's tensors into one block laid out like a slot (`weightsync.adopt`); a
+        `publish` of them is then one contiguous copy instead of one per tensor.
 
-        Each target's ``.data`` becomes a view into the block (its values are kept, Parameter
-        objects and optimizers that hold them are unaffected); the old storages are released if
-        nothing else holds them. Pass a module, or a ``state_dict(keep_vars=True)``. CPU tensors
-        only. A later `publish` whose tensors are not these views (rebound or replaced) takes
-        the per-tensor path, with the same result.
+        Values, Parameter objects and the optimizers that hold them are kept; pass a module or a
+        ``state_dict(keep_vars=True)``. CPU tensors only. A later `publish` whose tensors are no
+        longer all in the block takes the per-tensor path, with the same result.
         """
-        live = live_tensors(targets) if isinstance(targets, torch.nn.Module) else dict(targets)
-        self._layout.check_state_dict(live)
-        names = self._layout.names
+        live = dict(targets.state_dict(keep_vars=True)) if isinstance(targets, torch.nn.Module) else targets
         on_other = sorted({t.device.type for t in live.values()} - {"cpu"})
         if on_other:
             raise ValueError(f"SharedBuffer.adopt: CPU tensors only, got tensors on {on_other}")
-        block = torch.empty(self._layout.padded_bytes, dtype=torch.uint8)
-        views = flat_views(self._layout, block)
-        with torch.no_grad():
-            copy_tensors([views[n] for n in names], [live[n].detach() for n in names])
-            for name in names:
-                live[name].data = views[name]
-        self._adopted = block
-        self._adopted_ptrs = [views[n].data_ptr() for n in names]
-
-    def _adopted_source(self, state_dict: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-        """The adopted block, if every tensor of `state_dict` is still its view; else None."""
-        block = self._adopted
-        if block is None:
-            return None
-        for name, ptr in zip(self._layout.names, self._adopted_ptrs, strict=True):
-            tensor = state_dict[name]
-            if tensor.data_ptr() != ptr or not tensor.is_contiguous() or tensor.device.type != "cpu":
-                return None
-        return block
+        adopt(live, self._layout)
 
     def _slot_views(self, slot: int) -> list[torch.Tensor]:
         """Typed views of every tensor inside a slot, in layout order (built once per slot)."""
@@ -364,7 +341,6 @@ class SharedBuffer(BufferBase):
         self._header.set(G_CLOSED, 1)
         self._slots = []
         self._views = {}
-        self._adopted, self._adopted_ptrs = None, []
         self._header = _Header(np.zeros(_words(self.num_readers), dtype=np.int64))
         self._crcs = np.zeros((SLOTS, len(self._layout.buckets)), dtype=np.int64)
         self._segment.close()

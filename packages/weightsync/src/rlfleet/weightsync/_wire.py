@@ -43,6 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rlfleet.weightsync._block import flat_block
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
@@ -54,6 +55,7 @@ from rlfleet.weightsync._errors import (
 )
 from rlfleet.weightsync._json import decode_json
 from rlfleet.weightsync._layout import Layout, TensorSpec
+from rlfleet.weightsync._packing import bucket_starts
 from rlfleet.weightsync._protocol import BucketConsumer
 
 MAGIC = "rlfleet-weightsync"
@@ -446,6 +448,7 @@ class ProtocolSender(_Session):
         ]
         self._view_cache: dict[tuple[int, int], tuple[int, dict[str, torch.Tensor]]] = {}
         self._layout_json: bytes | None = None
+        self._starts = bucket_starts(layout)
 
     def _views(self, slot: int, k: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of bucket `k`'s tensors inside bucket buffer `slot` (cached per buffer)."""
@@ -529,6 +532,9 @@ class ProtocolSender(_Session):
         in_flight: deque[tuple[Pending, str, int]] = deque()
         slot_ops: list[list[Pending]] = [[], []]
         total = 0
+        block = flat_block(layout, state_dict)  # the model in one block: every run sent as it lies
+        if block is not None and block.device != wire.device:
+            block = None
 
         def drain(upto: int) -> None:
             """Wait for every op of buckets up to `upto` (older buckets finish first)."""
@@ -543,7 +549,11 @@ class ProtocolSender(_Session):
                 segments = self._segments[k]
                 drain(k - 1 - BUCKETS_IN_FLIGHT)  # bucket k-1 stays on the wire while k is packed
                 try:
-                    sources, packed = self._prepare(state_dict, k, segments, slot, slot_ops, deadline)
+                    if block is not None:
+                        base = self._starts[k]
+                        sources, packed = [block[base + g.start : base + g.end] for g in segments], False
+                    else:
+                        sources, packed = self._prepare(state_dict, k, segments, slot, slot_ops, deadline)
                     crc = self._crc(sources, segments) if self.checksums else None
                 except WeightSyncError as exc:
                     if _is_transport_error(exc):
