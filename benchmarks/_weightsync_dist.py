@@ -27,10 +27,15 @@ machine is shared: the fastest run is the one least disturbed by other work):
                  receiver allocates a flat tensor per dtype and narrows it into a state dict
                  (a whole model copy; applying it would cost one more copy, not counted).
   ours           `BroadcastSender` / `BroadcastReceiver`: header + negotiation, bucket k+1
-                 packed while bucket k is on the wire, large tensors sent from their own
-                 storage, a two-phase commit; the receiver applies into its live tensors with
-                 a "None" buffer written in place (what per-parameter does, so the two compare
-                 like for like).
+                 on its way while bucket k is on the wire, a two-phase commit; the receiver
+                 applies into its live tensors with a "None" buffer written in place (what
+                 per-parameter does, so the two compare like for like). The sender's tensors
+                 were `adopt`ed once into one block laid out as the buckets, so every run of
+                 tensors is sent as it lies (no packing copy).
+  ours, scattered  the same from a copy of the sender's state dict whose tensors lie where torch
+                 allocated them: runs of small tensors are packed into a bucket buffer (bucket
+                 k+1 packed while bucket k is on the wire), large ones sent from their own
+                 storage. Reported beside the claims.
   ours atomic    the same into an atomic "None" buffer (stages the version, copies at commit):
                  shown for reference, not in a claim.
   ours double    the same into a `DoubleBuffer(mode="swap")` (atomic: large tensors land in
@@ -176,11 +181,19 @@ def _run(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any
 
     version = [0]
     if rank == 0:
+        from rlfleet.weightsync import adopt
+
         sender = BroadcastSender(layout, None, 0)
+        scattered = {name: t.clone() for name, t in live.items()}  # where torch put each tensor
+        adopt(live, layout)  # the trainer's tensors in one block: each run is sent as it lies
 
         def ours() -> None:
             version[0] += 1
             sender.send(live, version[0], 600.0)
+
+        def ours_scattered() -> None:
+            version[0] += 1
+            sender.send(scattered, version[0], 600.0)
 
         ours_atomic = ours
         ours_double = ours
@@ -192,6 +205,8 @@ def _run(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any
 
         def ours() -> None:
             receiver.receive(in_place, 600.0)
+
+        ours_scattered = ours
 
         def ours_atomic() -> None:
             receiver.receive(atomic, 600.0)
@@ -214,6 +229,7 @@ def _run(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any
         "per-param live": per_param_live,
         "seed": seed,
         "ours": ours,
+        "ours, scattered": ours_scattered,
         "ours atomic": ours_atomic,
         "ours double": ours_double,
         "ours landed": ours_landed,
