@@ -430,6 +430,8 @@ def scenario_rendezvous(rank: int, world: int, port: int, port2: int, port3: int
         consumer = StagingConsumer(layout, base)
         BroadcastReceiver(layout, group, 1).receive(consumer, DEADLINE)
         out["subgroup_checksum"] = checksum(consumer.weights)
+    # rank 0 hosts the store the other two still use to build their group: nobody leaves first
+    dist.barrier()
     return out
 
 
