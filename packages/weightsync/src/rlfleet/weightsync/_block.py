@@ -10,9 +10,11 @@ a model's tensors there once; `flat_block` recognizes such a state dict on each 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 
 import torch
 
+from rlfleet.weightsync._buffers import live_tensors
 from rlfleet.weightsync._copy import copy_tensors
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import bucket_starts, flat_views
@@ -29,7 +31,7 @@ def adopt(live: Mapping[str, torch.Tensor] | torch.nn.Module, layout: Layout) ->
     (``keep_vars=False`` returns detached aliases: rebinding them does not reach the module).
     The block is on the tensors' device; they must all be on one.
     """
-    targets = dict(live.state_dict(keep_vars=True)) if isinstance(live, torch.nn.Module) else dict(live)
+    targets = live_tensors(live) if isinstance(live, torch.nn.Module) else dict(live)
     layout.check_state_dict(targets)
     devices = sorted({str(t.device) for t in targets.values()})
     if len(devices) > 1:
@@ -48,13 +50,14 @@ def adopt(live: Mapping[str, torch.Tensor] | torch.nn.Module, layout: Layout) ->
     return block
 
 
-def _flat_offsets(layout: Layout) -> list[int]:
+@lru_cache(maxsize=16)  # equal layouts (same digest) place every tensor alike
+def _flat_offsets(layout: Layout) -> tuple[int, ...]:
     """Offset of each tensor (layout order) inside the flat all-buckets buffer."""
     offsets: dict[str, int] = {}
     for bucket, start in zip(layout.buckets, bucket_starts(layout), strict=True):
         for spec in bucket.tensors:
             offsets[spec.name] = start + spec.offset
-    return [offsets[name] for name in layout.names]
+    return tuple(offsets[name] for name in layout.names)
 
 
 def flat_block(layout: Layout, state_dict: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -67,23 +70,23 @@ def flat_block(layout: Layout, state_dict: Mapping[str, torch.Tensor]) -> torch.
     """
     if not isinstance(state_dict, dict):
         return None
-    placed = [
-        (name, offset)
-        for name, offset in zip(layout.names, _flat_offsets(layout), strict=True)
-        if state_dict[name].numel()  # an empty tensor has no bytes, and no address to check
-    ]
-    if not placed:
-        return None
-    first = state_dict[placed[0][0]]
-    base = first.data_ptr() - placed[0][1]
-    device = first.device
-    for name, offset in placed:
+    first: torch.Tensor | None = None
+    base = 0
+    for name, offset in zip(layout.names, _flat_offsets(layout), strict=True):
         tensor = state_dict[name]
-        if tensor.data_ptr() != base + offset or tensor.device != device or not tensor.is_contiguous():
+        if not tensor.numel():  # an empty tensor has no bytes, and no address to check
+            continue
+        if first is None:
+            first, base = tensor, tensor.data_ptr() - offset
+        elif tensor.data_ptr() != base + offset or tensor.device != first.device:
             return None
+        if not tensor.is_contiguous():
+            return None
+    if first is None:
+        return None
     storage = first.untyped_storage()
     begin = base - storage.data_ptr()
     if begin < 0 or begin + layout.padded_bytes > storage.nbytes():
         return None  # the tensors lie at the right distances, but not inside one storage
-    block = torch.empty(0, dtype=torch.uint8, device=device)
+    block = torch.empty(0, dtype=torch.uint8, device=first.device)
     return block.set_(storage, begin, (layout.padded_bytes,), (1,))

@@ -50,21 +50,12 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _pieces(
-    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], share: int
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], share: int, grad_enabled: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(dst, src) pairs of about `share` bytes or less: large contiguous pairs are cut into ranges."""
+    """(dst, src) pairs of about `share` bytes or less: large byte-copy pairs are cut into ranges."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for dst, src in zip(dsts, srcs, strict=True):
-        nbytes = dst.numel() * dst.element_size()
-        splittable = (
-            nbytes > share
-            and dst.is_contiguous()
-            and src.is_contiguous()
-            and dst.dtype == src.dtype
-            and dst.device.type == src.device.type == "cpu"
-            and dst.shape == src.shape
-        )
-        if not splittable:
+        if dst.numel() * dst.element_size() <= share or not _raw(dst, src, grad_enabled):
             out.append((dst, src))
             continue
         flat_dst, flat_src = dst.view(-1), src.view(-1)
@@ -133,7 +124,7 @@ def copy_tensors(
         if dsts:
             _copy_share(list(dsts), list(srcs), grad_enabled)
         return
-    pieces = _pieces(dsts, srcs, -(-total // (threads * 4)))  # ~4 pieces per thread: balance
+    pieces = _pieces(dsts, srcs, -(-total // (threads * 4)), grad_enabled)  # ~4 per thread: balance
     # greedy: the largest pieces first, each to the least loaded thread
     loads = [0] * threads
     shares: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(threads)]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from rlfleet.weightsync._block import adopt, flat_block
-from rlfleet.weightsync._buffers import BufferBase
+from rlfleet.weightsync._buffers import BufferBase, live_tensors
 from rlfleet.weightsync._copy import copy_tensors
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import (
@@ -319,7 +319,7 @@ class SharedBuffer(BufferBase):
         ``state_dict(keep_vars=True)``. CPU tensors only. A later `publish` whose tensors are no
         longer all in the block takes the per-tensor path, with the same result.
         """
-        live = dict(targets.state_dict(keep_vars=True)) if isinstance(targets, torch.nn.Module) else targets
+        live = live_tensors(targets) if isinstance(targets, torch.nn.Module) else targets
         on_other = sorted({t.device.type for t in live.values()} - {"cpu"})
         if on_other:
             raise ValueError(f"SharedBuffer.adopt: CPU tensors only, got tensors on {on_other}")
