@@ -17,7 +17,7 @@ printed too.
                  one thread per CPU here): the least any path that writes one copy of the bytes
                  can cost. One flat copy is large enough for memmove's streaming stores; the
                  model's own tensors (at most 32 MiB here) are not, which is most of what
-                 separates `publish` from this bound.
+                 separates the scattered path below from this bound.
   ours (Shared)  `SharedBuffer.publish` packs the state dict straight into the free slot of the
                  node's segment (one copy serves every receiver). The trainer's tensors were
                  `adopt`ed once, before the rounds: they live in one block laid out as a slot,
