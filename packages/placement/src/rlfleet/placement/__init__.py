@@ -12,11 +12,15 @@ from rlfleet.placement._comm import (
     plan_comm_groups,
 )
 from rlfleet.placement._cost import lower_bound_seconds
+from rlfleet.placement._cost_model import LINEAR_PARAMS, CostModel, pipeline_seconds
 from rlfleet.placement._errors import (
     CapacityError,
     ColocatedSizeError,
+    CostModelError,
     EmptyEvalNodeError,
     PlacementError,
+    ReshardError,
+    SyncPlanError,
     TopologyError,
 )
 from rlfleet.placement._placement import (
@@ -33,7 +37,6 @@ from rlfleet.placement._reshard import (
     Move,
     Parallelism,
     ParamSpec,
-    ReshardError,
     ReshardPlan,
     plan_reshard,
 )
@@ -42,6 +45,17 @@ from rlfleet.placement._seed import (
     build_transfer_info_for_colocated,
     build_transfer_info_for_disaggregated,
 )
+from rlfleet.placement._sync_diff import SyncPlanDiff
+from rlfleet.placement._sync_plan import (
+    SYNC_STRATEGIES,
+    TRANSPORTS,
+    NodeBuffer,
+    SyncPlan,
+    SyncProcess,
+    SyncStep,
+)
+from rlfleet.placement._sync_planner import plan_sync, seed_sync_plan, split_shares
+from rlfleet.placement._sync_report import MEASURED_PHASES, StepReport, SyncReport
 from rlfleet.placement._topology import DEVICE_KINDS, LINK_KINDS, Device, Link, Port, Switch, Topology
 from rlfleet.placement._transfer import (
     DEFAULT_BUCKET_BYTES,
@@ -52,20 +66,18 @@ from rlfleet.placement._transfer import (
 )
 
 __all__ = [
-    "DEFAULT_STRIPE_BYTES",
-    "DTYPE_SIZES",
-    "Move",
-    "ParamSpec",
-    "Parallelism",
-    "ReshardError",
-    "ReshardPlan",
-    "plan_reshard",
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_STRIPE_BYTES",
     "DEVICE_KINDS",
+    "DTYPE_SIZES",
     "INTRA_NODE",
+    "LINEAR_PARAMS",
     "LINK_KINDS",
+    "MEASURED_PHASES",
     "RELAY_MODES",
+    "SYNC_STRATEGIES",
     "TRAIN_DATA_PARALLEL",
+    "TRANSPORTS",
     "WEIGHT_BUFFER_STRATEGIES",
     "WEIGHT_TRANSFER",
     "Bundle",
@@ -73,15 +85,30 @@ __all__ = [
     "ColocatedSizeError",
     "CommGroup",
     "CommGroupPlan",
+    "CostModel",
+    "CostModelError",
     "Device",
     "EmptyEvalNodeError",
     "Link",
     "LinkLoad",
+    "Move",
+    "NodeBuffer",
+    "Parallelism",
+    "ParamSpec",
     "Placement",
     "PlacementError",
     "Port",
     "RankInfo",
+    "ReshardError",
+    "ReshardPlan",
+    "StepReport",
     "Switch",
+    "SyncPlan",
+    "SyncPlanDiff",
+    "SyncPlanError",
+    "SyncProcess",
+    "SyncReport",
+    "SyncStep",
     "Topology",
     "TopologyError",
     "TransferPlan",
@@ -92,9 +119,14 @@ __all__ = [
     "build_transfer_info_for_disaggregated",
     "cost_transfer_info",
     "lower_bound_seconds",
+    "pipeline_seconds",
     "place_colocated",
     "place_disaggregated",
     "plan_comm_groups",
+    "plan_reshard",
+    "plan_sync",
     "plan_transfer",
     "seed_plan",
+    "seed_sync_plan",
+    "split_shares",
 ]

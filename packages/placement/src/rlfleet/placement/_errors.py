@@ -5,8 +5,11 @@ from __future__ import annotations
 __all__ = [
     "CapacityError",
     "ColocatedSizeError",
+    "CostModelError",
     "EmptyEvalNodeError",
     "PlacementError",
+    "ReshardError",
+    "SyncPlanError",
     "TopologyError",
 ]
 
@@ -32,3 +35,19 @@ class ColocatedSizeError(PlacementError, AssertionError):
 
 class EmptyEvalNodeError(PlacementError, IndexError):
     """A node listed as an eval node holds no eval policy (the seed fails here with IndexError)."""
+
+
+class ReshardError(PlacementError):
+    """A reshard input or plan is inconsistent; the message names the parameter and slice."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
+class SyncPlanError(PlacementError):
+    """A sync plan (or the input to plan one) is inconsistent; the message names the step or process."""
+
+
+class CostModelError(PlacementError):
+    """A cost model parameter is out of range, or a calibration has nothing to fit."""

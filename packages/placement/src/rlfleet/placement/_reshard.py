@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from rlfleet.placement._errors import PlacementError
+from rlfleet.placement._errors import ReshardError
 
 __all__ = [
     "DEFAULT_STRIPE_BYTES",
@@ -53,8 +53,8 @@ __all__ = [
     "RESHARD_FORMAT",
     "STAGES",
     "Move",
-    "ParamSpec",
     "Parallelism",
+    "ParamSpec",
     "ReshardError",
     "ReshardPlan",
     "plan_reshard",
@@ -102,14 +102,6 @@ _ALIASES = {
     "dp": "dp",
     "data_parallel_size": "dp",
 }
-
-
-class ReshardError(PlacementError):
-    """A reshard input or plan is inconsistent; the message names the parameter and slice."""
-
-    def __init__(self, message: str, parameter: str | None = None) -> None:
-        super().__init__(message)
-        self.parameter = parameter
 
 
 def _positive_int(value: Any, what: str) -> int:

@@ -126,6 +126,9 @@ class Topology:
     """
 
     def __init__(self) -> None:
+        #: Where this description came from ("spec", "synthetic ...", "ray.nodes() ..."): plans
+        #: priced on it report it as their ``topology_source``.
+        self.source = "built by hand"
         self._graph: Any = nx.Graph()
         self._nodes: dict[str, list[str]] = {}  # node -> device vertices in declaration order
         self._devices: dict[str, Device] = {}
@@ -227,6 +230,7 @@ class Topology:
         spec = _as_mapping(spec, "spec")
         _check_keys(spec, ("nodes", "switches", "links"), "spec")
         topo = cls()
+        topo.source = "spec"
         for i, raw in enumerate(_as_list(spec.get("nodes", []), "spec.nodes")):
             where = f"nodes[{i}]"
             entry = _as_mapping(raw, where)
@@ -318,6 +322,9 @@ class Topology:
             raise TopologyError("synthetic: nic_per='gpu' needs gpus_per_node >= 1")
         _check_id(node_prefix + "0", "synthetic: node_prefix")
         topo = cls()
+        topo.source = (
+            f"synthetic: {nodes} nodes x {gpus_per_node} GPUs, NIC {nic_bandwidth:.3g} B/s per {nic_per}"
+        )
         fabric = Switch("fabric")
         for n in range(nodes):
             node = f"{node_prefix}{n}"

@@ -1,0 +1,120 @@
+"""`SyncPlan.diff`: what an executor must change between two plans.
+
+When a worker dies, joins, is popped or converted, the executor rebuilds only what differs:
+broadcast groups to create or destroy, node buffers whose writer or readers changed, steps that
+appear or disappear. Steps are compared by what they do (transport, sender, destinations, node,
+buckets), not by position or prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlfleet.placement._sync_plan import NodeBuffer, SyncPlan, SyncStep
+
+__all__ = ["SyncPlanDiff", "diff_plans"]
+
+
+@dataclass(frozen=True)
+class SyncPlanDiff:
+    """Differences from a previous plan to a new one (each tuple in the new or old plan's order)."""
+
+    processes_added: tuple[str, ...]
+    processes_removed: tuple[str, ...]
+    roles_changed: tuple[str, ...]
+    steps_added: tuple[SyncStep, ...]
+    steps_removed: tuple[SyncStep, ...]
+    groups_added: tuple[tuple[str, ...], ...]
+    groups_removed: tuple[tuple[str, ...], ...]
+    node_buffers_changed: tuple[str, ...]
+    strategy_changed: bool = False
+    buckets_changed: bool = False
+
+    @property
+    def empty(self) -> bool:
+        """True when the new plan executes exactly like the previous one."""
+        return not (
+            self.processes_added
+            or self.processes_removed
+            or self.roles_changed
+            or self.steps_added
+            or self.steps_removed
+            or self.groups_added
+            or self.groups_removed
+            or self.node_buffers_changed
+            or self.strategy_changed
+            or self.buckets_changed
+        )
+
+    def summary(self) -> str:
+        """One line, e.g. ``+1 process, -2 steps, +1 group, node buffers changed on n2``."""
+        if self.empty:
+            return "no change"
+        parts: list[str] = []
+        for label, items in (
+            ("process", self.processes_added),
+            ("step", self.steps_added),
+            ("group", self.groups_added),
+        ):
+            if items:
+                parts.append(f"+{len(items)} {label}{'es' if label == 'process' and len(items) > 1 else ''}")
+        for label, items in (
+            ("process", self.processes_removed),
+            ("step", self.steps_removed),
+            ("group", self.groups_removed),
+        ):
+            if items:
+                parts.append(f"-{len(items)} {label}{'es' if label == 'process' and len(items) > 1 else ''}")
+        if self.roles_changed:
+            parts.append(f"role changed: {', '.join(self.roles_changed)}")
+        if self.node_buffers_changed:
+            parts.append(f"node buffers changed on {', '.join(self.node_buffers_changed)}")
+        if self.strategy_changed:
+            parts.append("strategy changed")
+        if self.buckets_changed:
+            parts.append("buckets changed")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "processes_added": list(self.processes_added),
+            "processes_removed": list(self.processes_removed),
+            "roles_changed": list(self.roles_changed),
+            "steps_added": [s.to_dict() for s in self.steps_added],
+            "steps_removed": [s.to_dict() for s in self.steps_removed],
+            "groups_added": [list(g) for g in self.groups_added],
+            "groups_removed": [list(g) for g in self.groups_removed],
+            "node_buffers_changed": list(self.node_buffers_changed),
+            "strategy_changed": self.strategy_changed,
+            "buckets_changed": self.buckets_changed,
+        }
+
+
+def _buffers(plan: SyncPlan) -> dict[str, NodeBuffer]:
+    return {b.node: b for b in plan.node_buffers}
+
+
+def diff_plans(old: SyncPlan, new: SyncPlan) -> SyncPlanDiff:
+    old_procs = {p.id: p for p in old.processes}
+    new_procs = {p.id: p for p in new.processes}
+    old_sigs = {s.signature() for s in old.steps}
+    new_sigs = {s.signature() for s in new.steps}
+    old_groups, new_groups = set(old.groups()), set(new.groups())
+    old_bufs, new_bufs = _buffers(old), _buffers(new)
+    changed_bufs = [n for n in dict.fromkeys([*old_bufs, *new_bufs]) if old_bufs.get(n) != new_bufs.get(n)]
+    return SyncPlanDiff(
+        processes_added=tuple(p for p in new_procs if p not in old_procs),
+        processes_removed=tuple(p for p in old_procs if p not in new_procs),
+        roles_changed=tuple(
+            p for p in new_procs if p in old_procs and old_procs[p].role != new_procs[p].role
+        ),
+        steps_added=tuple(s for s in new.steps if s.signature() not in old_sigs),
+        steps_removed=tuple(s for s in old.steps if s.signature() not in new_sigs),
+        groups_added=tuple(g for g in new.groups() if g not in old_groups),
+        groups_removed=tuple(g for g in old.groups() if g not in new_groups),
+        node_buffers_changed=tuple(changed_bufs),
+        strategy_changed=old.strategy != new.strategy,
+        buckets_changed=old.bucket_bytes != new.bucket_bytes or old.layout_digest != new.layout_digest,
+    )
