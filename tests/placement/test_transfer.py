@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from rlfleet.placement import (
     DEFAULT_BUCKET_BYTES,
+    HARDWARE_PROFILES,
     Placement,
     PlacementError,
     Topology,
@@ -160,7 +161,13 @@ def test_plan_properties(scenario: tuple[Topology, Placement, int, int]) -> None
     # senders feeding one copy split it into shares that differ by at most one bucket (in fact a byte)
     for node, shares in plan.shares_by_node().items():
         assert max(shares.values()) - min(shares.values()) <= min(bucket, 1), (node, shares)
-        assert sum(shares.values()) == model_bytes or node in {p.node for p in placement.train}
+    # every node without a trainer takes the model in through its NICs exactly once
+    train_nodes = {p.node for p in placement.train}
+    for node in {w.node for w in placement.eval} - train_nodes:
+        ingress = sum(
+            s.nbytes for s in plan.steps if s.dst.split("/")[0] == node and s.src.split("/")[0] != node
+        )
+        assert ingress == model_bytes, (node, ingress)
     # same input -> same plan, also through a spec round trip
     assert plan_transfer(topo, placement, model_bytes, bucket_bytes=bucket) == plan
     rebuilt = Topology.from_spec(topo.to_spec())
@@ -213,7 +220,11 @@ def test_beats_the_seed_and_nears_the_bound(
     ours = plan_transfer(topo, placement, model_bytes)
     seed = seed_plan(topo, placement, model_bytes)
     assert ours.lower_bound_seconds == seed.lower_bound_seconds
-    assert ours.predicted_seconds < seed.predicted_seconds / 4  # 8 NICs per eval node instead of one
+    # NCCL spreads the seed's broadcasts over all 8 NICs too: ours wins by relaying (a train node
+    # serving several eval nodes sends the model once, not once per eval node) and never loses
+    assert ours.predicted_seconds <= seed.predicted_seconds * 1.001
+    if eval_nodes > train_nodes:
+        assert ours.predicted_seconds < seed.predicted_seconds / 2
     assert ours.predicted_seconds <= 1.25 * ours.lower_bound_seconds
     # no rank-0 funnel: every trainer sends
     assert min(ours.sender_shares().values()) > 0
@@ -234,15 +245,17 @@ def test_relays_form_chains_through_eval_nodes() -> None:
     assert sorted(plan.shares_by_node()["node1"].values()) == [2 * 10**9] * 8
 
 
-def test_mixed_nodes_use_local_trainers_and_colocated_needs_no_copy() -> None:
+def test_mixed_nodes_use_local_trainers_and_a_colocated_handoff_is_a_device_copy() -> None:
     topo = Topology.synthetic(2, 8)
     spread = place_disaggregated(topo, 8, 8, mode="spread")
     plan = plan_transfer(topo, spread, 10**9)
     assert all(s.kind != "network" for s in plan.steps)
     coloc = plan_transfer(topo, place_colocated(topo, 8, 8), 10**9)
     assert {s.kind for s in coloc.steps} == {"local"}
-    assert coloc.predicted_seconds == 0.0
-    assert coloc.lower_bound_seconds == 0.0
+    cost = HARDWARE_PROFILES["H100"]  # plan_transfer's default pricing
+    per_byte = max(1 / cost.load_bytes_per_s, cost.per_bucket_s / DEFAULT_BUCKET_BYTES)
+    assert coloc.predicted_seconds == pytest.approx(10**9 * per_byte)  # not free
+    assert coloc.lower_bound_seconds == 0.0  # sharing the trainer's memory would be
     nothing = plan_transfer(topo, place_disaggregated(topo, 4, 0), 10**9)
     assert nothing.steps == ()
     assert nothing.predicted_seconds == 0.0
@@ -252,10 +265,15 @@ def test_seed_plan_matches_the_seed_shape() -> None:
     topo = Topology.synthetic(4, 8)
     placement = place_disaggregated(topo, 8, 24)
     double = seed_plan(topo, placement, 10**9, buffer="Double")
-    # one whole-model broadcast per eval node, each from a different trainer of node0
+    # one whole-model broadcast per eval node, each from a different trainer of node0; NCCL runs it
+    # as 8 channel rings, one per rail of the eval node, reached over NVLink from the sender
     first_hops = [s for s in double.steps if s.after is None]
-    assert [s.src for s in first_hops] == ["node0/gpu0", "node0/gpu1", "node0/gpu2"]
-    assert all(s.nbytes == 10**9 for s in double.steps)
+    assert sorted({s.src for s in first_hops}) == ["node0/gpu0", "node0/gpu1", "node0/gpu2"]
+    assert len(first_hops) == 3 * 8
+    for node in ("node1", "node2", "node3"):
+        entering = [s for s in double.steps if s.dst.startswith(node + "/") and s.kind == "network"]
+        assert sorted(s.dst for s in entering) == [f"{node}/gpu{g}" for g in range(8)]  # every rail
+        assert sum(s.nbytes for s in entering) == 10**9  # the model enters the node once
     shared = seed_plan(topo, placement, 10**9, buffer="Shared")
     assert any(s.dst == "node1" for s in shared.steps)  # staged in the node's host-memory buffer
     with pytest.raises(PlacementError, match="'ghost'"):

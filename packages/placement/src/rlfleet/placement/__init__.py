@@ -31,6 +31,7 @@ from rlfleet.placement._placement import (
     place_disaggregated,
 )
 from rlfleet.placement._plan import LinkLoad, TransferPlan, TransferStep
+from rlfleet.placement._profiles import HARDWARE_PROFILES
 from rlfleet.placement._reshard import (
     DEFAULT_STRIPE_BYTES,
     DTYPE_SIZES,
@@ -57,15 +58,11 @@ from rlfleet.placement._sync_plan import (
 from rlfleet.placement._sync_planner import plan_sync, seed_sync_plan, split_shares
 from rlfleet.placement._sync_report import MEASURED_PHASES, StepReport, SyncReport
 from rlfleet.placement._topology import DEVICE_KINDS, LINK_KINDS, Device, Link, Port, Switch, Topology
-from rlfleet.placement._transfer import (
-    DEFAULT_BUCKET_BYTES,
-    RELAY_MODES,
-    cost_transfer_info,
-    plan_transfer,
-    seed_plan,
-)
+from rlfleet.placement._transfer import DEFAULT_BUCKET_BYTES, RELAY_MODES, plan_transfer
+from rlfleet.placement._transfer_seed import cost_transfer_info, seed_plan
 
 __all__ = [
+    "HARDWARE_PROFILES",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_STRIPE_BYTES",
     "DEVICE_KINDS",

@@ -1,10 +1,14 @@
-"""The link cost model shared by every plan (ours and the seed's), and the lower bound.
+"""Pricing paper plans (ours and the seed's) with a `CostModel` on a topology, and the lower bound.
 
-Model (deliberately simple, so plans can be compared on paper):
+Model (simple enough to compare plans for clusters we cannot run):
 
 * every step is a flow along its route; all steps of a sync run concurrently, pipelined;
-* a link direction carrying ``L`` bytes at bandwidth ``B`` is busy ``L / B`` seconds; flows sharing it
-  get bandwidth in proportion to their bytes, so a step's rate is ``nbytes / max(L / B)`` over its links;
+* a link direction carrying ``L`` bytes at bandwidth ``B`` is busy ``L / (B * e)`` seconds (``e``:
+  the cost model's protocol efficiency); flows sharing it get bandwidth in proportion to their
+  bytes, so a step's rate is ``nbytes / max(L / (B * e))`` over its links;
+* every bucket-sized chunk a step carries costs ``per_bucket_s``, overlapped with the wire (a
+  step is double-buffered), so a chunk takes the longer of the two; a colocated handoff (a
+  receiver on its trainer's device) is a device copy at ``load_bytes_per_s``, not free;
 * the model moves in waves of ``bucket_bytes``: every step carries its share of each wave
   (``bucket_bytes * nbytes / model_bytes``; the seed's whole-model broadcasts carry whole buckets)
   and forwards a wave once it landed at its source, so the first wave lands one wave-time (plus
@@ -18,10 +22,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from rlfleet.placement._cost_model import CostModel
 from rlfleet.placement._plan import LinkLoad, TransferPlan, TransferStep
+from rlfleet.placement._profiles import HARDWARE_PROFILES
 from rlfleet.placement._topology import Topology
 
-__all__ = ["RawStep", "build_plan", "lower_bound_seconds"]
+__all__ = ["DEFAULT_PAPER_COST", "RawStep", "build_plan", "lower_bound_seconds"]
+
+#: What prices a paper plan when no cost model is given: the H100 profile's efficiency and
+#: overheads (link rates always come from the topology).
+DEFAULT_PAPER_COST = HARDWARE_PROFILES["H100"]
 
 # (src, dst, offset, nbytes, after)
 RawStep = tuple[str, str, int, int, "int | None"]
@@ -37,8 +47,10 @@ def build_plan(
     sources: Sequence[str],
     receivers: Sequence[str],
     relay: str,
+    cost: CostModel = DEFAULT_PAPER_COST,
 ) -> TransferPlan:
     """Route every raw step, load the links, and time the pipeline."""
+    efficiency = cost.protocol_efficiency
     link_of = topology.link
     routes = [topology.route(src, dst) for src, dst, _o, _n, _a in raw]
     loads: dict[tuple[str, str], int] = {}
@@ -50,7 +62,7 @@ def build_plan(
     link_loads: list[LinkLoad] = []
     for (u, v), nbytes in loads.items():
         edge = link_of(u, v)
-        info[(u, v)] = (nbytes / edge.bandwidth, edge.latency, edge.bandwidth, edge.kind)
+        info[(u, v)] = (nbytes / (edge.bandwidth * efficiency), edge.latency, edge.bandwidth, edge.kind)
         link_loads.append(LinkLoad(u, v, edge.kind, nbytes, edge.bandwidth, edge.latency))
 
     steps: list[TransferStep] = []
@@ -72,9 +84,10 @@ def build_plan(
             if owner[src] != owner[dst]:
                 kind = "network"
             per_byte = duration / nbytes if nbytes else 0.0
-        else:
-            per_byte, latency, kind = 0.0, 0.0, "local"
+        else:  # a colocated handoff: a device copy
+            per_byte, latency, kind = 1.0 / cost.load_bytes_per_s, 0.0, "local"
         chunk = min(nbytes, max(1, bucket_bytes * nbytes // model_bytes))
+        per_byte = max(per_byte, cost.per_bucket_s / chunk)  # bucket overheads overlap the wire
         if after is None:
             ready_first = ready_last = 0.0
             stage = 0
