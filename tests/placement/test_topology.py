@@ -46,7 +46,7 @@ def test_synthetic_round_trips_and_has_realistic_defaults() -> None:
     assert topo.nodes == ("node0", "node1", "node2")
     assert len(topo.devices()) == 24
     assert len(topo.devices("node1", kind="gpu")) == 8
-    assert topo.link("node0/gpu0", "node0/nvswitch").bandwidth == 900e9
+    assert topo.link("node0/gpu0", "node0/nvswitch").bandwidth == 450e9  # NVLink 4, each way
     assert topo.link("node0/gpu3", "fabric").bandwidth == 50e9  # 400 Gb/s
     assert len(topo.ports("node2")) == 8
     assert topo.ingress_bandwidth("node2") == 8 * 50e9

@@ -91,32 +91,6 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_id(value: object, where: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise TopologyError(f"{where}: id must be a non-empty string, got {value!r}")
-    if "/" in value or value.startswith("@"):
-        raise TopologyError(f"{where}: id {value!r} may not contain '/' or start with '@'")
-    return value
-
-
-def _check_keys(entry: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    unknown = sorted(str(k) for k in entry if k not in allowed)
-    if unknown:
-        raise TopologyError(f"{where}: unknown key(s) {unknown}; allowed: {list(allowed)}")
-
-
-def _as_mapping(value: object, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise TopologyError(f"{where}: expected a mapping, got {type(value).__name__}")
-    return value
-
-
-def _as_list(value: object, where: str) -> Sequence[Any]:
-    if not isinstance(value, (list, tuple)):
-        raise TopologyError(f"{where}: expected a list, got {type(value).__name__}")
-    return value
-
-
 class Topology:
     """Hosts, devices, switches and links with bandwidths, on a :class:`networkx.Graph`.
 
@@ -227,66 +201,26 @@ class Topology:
         "switches": [{"id": "fabric"}, {"id": "nvswitch", "node": "n0"}],
         "links": [{"a": "n0/gpu0", "b": "fabric", "kind": "network", "bandwidth": 5e10, "latency": 5e-6}]}``
         """
-        spec = _as_mapping(spec, "spec")
-        _check_keys(spec, ("nodes", "switches", "links"), "spec")
-        topo = cls()
-        topo.source = "spec"
-        for i, raw in enumerate(_as_list(spec.get("nodes", []), "spec.nodes")):
-            where = f"nodes[{i}]"
-            entry = _as_mapping(raw, where)
-            _check_keys(entry, ("id", "devices"), where)
-            node = _check_id(entry.get("id"), where)
-            topo._add_node(node, f"{where} ({node!r})")
-            for j, raw_dev in enumerate(_as_list(entry.get("devices", []), f"{where}.devices")):
-                dwhere = f"nodes[{i}].devices[{j}]"
-                dev = _as_mapping(raw_dev, dwhere)
-                _check_keys(dev, ("id", "kind"), dwhere)
-                did = _check_id(dev.get("id"), dwhere)
-                topo._add_device(node, did, dev.get("kind", "gpu"), f"{dwhere} ({node}/{did})")
-        for i, raw in enumerate(_as_list(spec.get("switches", []), "spec.switches")):
-            where = f"switches[{i}]"
-            entry = _as_mapping(raw, where)
-            _check_keys(entry, ("id", "node"), where)
-            sid = _check_id(entry.get("id"), where)
-            owner = entry.get("node")
-            if owner is not None and not isinstance(owner, str):
-                raise TopologyError(f"{where}: node must be a string, got {owner!r}")
-            topo._add_switch(Switch(sid, owner), f"{where} ({sid!r})")
-        for i, raw in enumerate(_as_list(spec.get("links", []), "spec.links")):
-            where = f"links[{i}]"
-            entry = _as_mapping(raw, where)
-            _check_keys(entry, ("a", "b", "kind", "bandwidth", "latency"), where)
-            a, b = entry.get("a"), entry.get("b")
-            if not isinstance(a, str) or not isinstance(b, str):
-                raise TopologyError(
-                    f"{where}: endpoints 'a' and 'b' must be vertex id strings, got {a!r}, {b!r}"
-                )
-            for key in ("kind", "bandwidth"):
-                if key not in entry:
-                    raise TopologyError(f"{where} ({a!r} - {b!r}): missing {key!r}")
-            link = Link(a, b, entry["kind"], entry["bandwidth"], entry.get("latency", 0.0))
-            topo._add_link(link, f"{where} ({a!r} - {b!r})")
-        return topo
+        from rlfleet.placement._topology_build import build_from_spec
+
+        return build_from_spec(spec)
+
+    @classmethod
+    def from_ray_nodes(
+        cls, nodes: Sequence[Mapping[str, Any]], overrides: Mapping[str, Any] | None = None
+    ) -> Topology:
+        """The cluster in ``ray.nodes()`` output (plain data), rates from ``overrides``,
+        ``nvidia-smi topo -m`` text, hardware profiles or a documented fallback (``source`` says
+        which); see `rlfleet.placement._cluster`."""
+        from rlfleet.placement._cluster import topology_from_ray_nodes
+
+        return topology_from_ray_nodes(nodes, overrides)
 
     def to_spec(self) -> dict[str, Any]:
         """The plain-dict form: ``Topology.from_spec(t.to_spec())`` rebuilds an equal topology."""
-        return {
-            "nodes": [
-                {
-                    "id": node,
-                    "devices": [{"id": self._devices[v].id, "kind": self._devices[v].kind} for v in devs],
-                }
-                for node, devs in self._nodes.items()
-            ],
-            "switches": [
-                {"id": s.id} if s.node is None else {"id": s.id, "node": s.node}
-                for s in self._switches.values()
-            ],
-            "links": [
-                {"a": ln.a, "b": ln.b, "kind": ln.kind, "bandwidth": ln.bandwidth, "latency": ln.latency}
-                for ln in self._links
-            ],
-        }
+        from rlfleet.placement._topology_build import spec_of
+
+        return spec_of(self)
 
     @classmethod
     def synthetic(
@@ -294,7 +228,7 @@ class Topology:
         nodes: int,
         gpus_per_node: int = 8,
         *,
-        nvlink_bandwidth: float = 900e9,
+        nvlink_bandwidth: float = 450e9,
         nvlink_latency: float = 2e-6,
         pcie_bandwidth: float = 64e9,
         pcie_latency: float = 2e-6,
@@ -306,49 +240,27 @@ class Topology:
     ) -> Topology:
         """A homogeneous cluster behind one non-blocking fabric switch (``"fabric"``).
 
-        Defaults model an H100/H200 HGX node: NVLink 900 GB/s per GPU through an NVSwitch, PCIe Gen5
+        Defaults model an H100/H200 HGX node: NVLink 450 GB/s each way per GPU through an NVSwitch, PCIe Gen5
         x16 (64 GB/s) from each GPU to the host, and a 400 Gb/s (50 GB/s) NIC per GPU
         (``nic_per="gpu"``, rail style) or one per node (``nic_per="node"``, on the host).
-        Links are full duplex and 900 GB/s is NVIDIA's quoted NVLink 4 total, so intra-node times are
-        optimistic by up to 2x; pass ``nvlink_bandwidth=450e9`` for a per-direction figure.
+        Links are full duplex, so bandwidths are per direction: NVLink 4's quoted 900 GB/s is
+        450 GB/s each way.
         """
-        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
-            raise TopologyError(f"synthetic: nodes must be a positive int, got {nodes!r}")
-        if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 0:
-            raise TopologyError(f"synthetic: gpus_per_node must be a non-negative int, got {gpus_per_node!r}")
-        if nic_per not in ("gpu", "node"):
-            raise TopologyError(f"synthetic: nic_per must be 'gpu' or 'node', got {nic_per!r}")
-        if nic_per == "gpu" and gpus_per_node == 0:
-            raise TopologyError("synthetic: nic_per='gpu' needs gpus_per_node >= 1")
-        _check_id(node_prefix + "0", "synthetic: node_prefix")
-        topo = cls()
-        topo.source = (
-            f"synthetic: {nodes} nodes x {gpus_per_node} GPUs, NIC {nic_bandwidth:.3g} B/s per {nic_per}"
+        from rlfleet.placement._topology_build import build_synthetic
+
+        return build_synthetic(
+            nodes,
+            gpus_per_node,
+            nvlink_bandwidth=nvlink_bandwidth,
+            nvlink_latency=nvlink_latency,
+            pcie_bandwidth=pcie_bandwidth,
+            pcie_latency=pcie_latency,
+            nic_bandwidth=nic_bandwidth,
+            nic_latency=nic_latency,
+            nic_per=nic_per,
+            nvlink=nvlink,
+            node_prefix=node_prefix,
         )
-        fabric = Switch("fabric")
-        for n in range(nodes):
-            node = f"{node_prefix}{n}"
-            topo._add_node(node, f"synthetic node {node!r}")
-            for g in range(gpus_per_node):
-                topo._add_device(node, f"gpu{g}", "gpu", f"synthetic device {node}/gpu{g}")
-        topo._add_switch(fabric, "synthetic fabric")
-        for node, devs in topo._nodes.items():
-            where = f"synthetic links of {node!r}"
-            use_nvswitch = nvlink and len(devs) > 1
-            if use_nvswitch:
-                nvs = Switch("nvswitch", node)
-                topo._add_switch(nvs, where)
-            for dev in devs:
-                if use_nvswitch:
-                    topo._add_link(
-                        Link(dev, f"{node}/nvswitch", "nvlink", nvlink_bandwidth, nvlink_latency), where
-                    )
-                topo._add_link(Link(dev, node, "pcie", pcie_bandwidth, pcie_latency), where)
-                if nic_per == "gpu":
-                    topo._add_link(Link(dev, fabric.vertex, "network", nic_bandwidth, nic_latency), where)
-            if nic_per == "node":
-                topo._add_link(Link(node, fabric.vertex, "network", nic_bandwidth, nic_latency), where)
-        return topo
 
     # ----------------------------------------------------------------- queries
     @property
