@@ -138,3 +138,14 @@ def test_validate_names_the_worker() -> None:
         Placement((WorkerPlacement("e", "eval", "node0", "gpu5"),)).validate(topo)
     with pytest.raises(PlacementError, match=r"worker 'e'.*'node3'"):
         Placement((WorkerPlacement("e", "eval", "node3", "gpu0"),)).validate(topo)
+
+
+@pytest.mark.parametrize("cpus", [-1, 0, float("nan"), float("inf"), "1", True, None])
+def test_cpus_per_worker_must_be_a_positive_finite_number(cpus: object) -> None:
+    """Issue 15 item 17: -1 or NaN CPUs used to become bundles Ray cannot schedule."""
+    topo = Topology.synthetic(2, 4)
+    with pytest.raises(PlacementError, match="cpus_per_worker must be a positive finite number"):
+        place_disaggregated(topo, 2, 2, cpus_per_worker=cpus)  # type: ignore[arg-type]
+    with pytest.raises(PlacementError, match="cpus_per_worker"):
+        place_colocated(topo, 2, 2, cpus_per_worker=cpus)  # type: ignore[arg-type]
+    assert place_disaggregated(topo, 2, 2, cpus_per_worker=0.5).bundles[0].cpu == 0.5

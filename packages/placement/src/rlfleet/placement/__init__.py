@@ -32,15 +32,9 @@ from rlfleet.placement._placement import (
 )
 from rlfleet.placement._plan import LinkLoad, TransferPlan, TransferStep
 from rlfleet.placement._profiles import HARDWARE_PROFILES
-from rlfleet.placement._reshard import (
-    DEFAULT_STRIPE_BYTES,
-    DTYPE_SIZES,
-    Move,
-    Parallelism,
-    ParamSpec,
-    ReshardPlan,
-    plan_reshard,
-)
+from rlfleet.placement._reshard import DEFAULT_STRIPE_BYTES, plan_reshard
+from rlfleet.placement._reshard_plan import Move, ReshardPlan
+from rlfleet.placement._reshard_specs import DTYPE_SIZES, Parallelism, ParamSpec
 from rlfleet.placement._seed import (
     WEIGHT_BUFFER_STRATEGIES,
     build_transfer_info_for_colocated,

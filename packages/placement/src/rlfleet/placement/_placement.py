@@ -8,6 +8,7 @@ is ready (for example by reading each bundle's node id).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,6 +157,18 @@ def _check_count(name: str, value: object) -> int:
     return value
 
 
+def _check_cpus(value: object) -> float:
+    """A bundle's CPU share: a finite number > 0 (Ray rejects 0, negative and NaN CPU requests)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise PlacementError(f"cpus_per_worker must be a positive finite number, got {value!r}")
+    return float(value)
+
+
 def _slots(topology: Topology, device_kind: str) -> list[tuple[str, str]]:
     return [(d.node, d.id) for d in topology.devices(kind=device_kind)]
 
@@ -202,6 +215,7 @@ def place_colocated(
     """
     _check_count("n_train", n_train)
     _check_count("n_eval", n_eval)
+    _check_cpus(cpus_per_worker)
     if n_eval > n_train:
         raise ColocatedSizeError(
             f"colocated placement needs n_train >= n_eval, got n_train={n_train}, n_eval={n_eval}"
@@ -232,6 +246,7 @@ def place_disaggregated(
     """
     _check_count("n_train", n_train)
     _check_count("n_eval", n_eval)
+    _check_cpus(cpus_per_worker)
     if mode not in ("packed", "spread"):
         raise PlacementError(f"mode must be 'packed' or 'spread', got {mode!r}")
     need = n_train + n_eval

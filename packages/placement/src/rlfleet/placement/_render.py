@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlfleet.placement._sync_render import human_bytes, quote_dot
+
 if TYPE_CHECKING:
     from rlfleet.placement._plan import TransferPlan
 
@@ -17,18 +19,6 @@ STAGE_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00
 
 def _stage_colour(stage: int) -> str:
     return STAGE_COLOURS[stage % len(STAGE_COLOURS)]
-
-
-def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(nbytes) < 1000 or unit == "TB":
-            return f"{nbytes:.3g} {unit}"
-        nbytes /= 1000
-    return f"{nbytes:.3g} TB"  # pragma: no cover
 
 
 def _title(plan: TransferPlan) -> str:
@@ -61,24 +51,25 @@ def plan_to_dot(plan: TransferPlan) -> str:
     lines = [
         "digraph transfer_plan {",
         "  rankdir=LR;",
-        f"  label={_quote(_title(plan))};",
+        f"  label={quote_dot(_title(plan))};",
         "  node [shape=box, style=filled, fontsize=10];",
     ]
     for i, (node, vertices) in enumerate(_vertices(plan).items()):
         lines.append(f"  subgraph cluster_{i} {{")
-        lines.append(f"    label={_quote(node)};")
+        lines.append(f"    label={quote_dot(node)};")
         for v in vertices:
             role = "train" if v in sources else "eval" if v in receivers else "relay"
             colour = {"train": "#F4A582", "eval": "#92C5DE", "relay": "#E0E0E0"}[role]
             label = v.split("/", 1)[1] if "/" in v else "host"
             lines.append(
-                f"    {_quote(v)} [label={_quote(f'{label} ({role})')}, fillcolor={_quote(colour)}];"
+                f"    {quote_dot(v)} [label={quote_dot(f'{label} ({role})')}, fillcolor={quote_dot(colour)}];"
             )
         lines.append("  }")
     for (src, dst, stage), nbytes in _edges(plan).items():
         colour = _stage_colour(stage)
-        label = f"stage {stage}: {_human(nbytes)}"
-        lines.append(f"  {_quote(src)} -> {_quote(dst)} [color={_quote(colour)}, label={_quote(label)}];")
+        label = f"stage {stage}: {human_bytes(nbytes)}"
+        attrs = f"color={quote_dot(colour)}, label={quote_dot(label)}"
+        lines.append(f"  {quote_dot(src)} -> {quote_dot(dst)} [{attrs}];")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

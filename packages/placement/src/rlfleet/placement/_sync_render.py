@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from rlfleet.placement._sync_plan import SyncPlan, SyncProcess, SyncStep
     from rlfleet.placement._sync_report import SyncReport
 
-__all__ = ["draw_sync_plan", "human_bytes", "sync_plan_to_dot", "sync_title"]
+__all__ = ["draw_sync_plan", "human_bytes", "quote_dot", "sync_plan_to_dot", "sync_title"]
 
 # Okabe-Ito (colour-blind safe), one colour per transport.
 TRANSPORT_COLOURS = {
@@ -66,7 +66,7 @@ def _edge_label(step: SyncStep) -> str:
     return f"#{step.index} {step.transport} {human_bytes(step.nbytes)}"
 
 
-def _quote(text: str) -> str:
+def quote_dot(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -74,23 +74,25 @@ def sync_plan_to_dot(plan: SyncPlan, report: SyncReport | None = None) -> str:
     lines = [
         "digraph sync_plan {",
         "  rankdir=LR;",
-        f"  label={_quote(sync_title(plan, report))};",
+        f"  label={quote_dot(sync_title(plan, report))};",
         "  labelloc=t;",
         '  node [shape=box, style="rounded,filled", fontsize=10];',
     ]
     for i, node in enumerate(plan.nodes):
         lines.append(f"  subgraph cluster_{i} {{")
-        lines.append(f"    label={_quote('node ' + node)};")
+        lines.append(f"    label={quote_dot('node ' + node)};")
         for p in plan.processes:
             if p.node == node:
                 colour = ROLE_COLOURS[p.role]
-                lines.append(f"    {_quote(p.id)} [label={_quote(_label(p))}, fillcolor={_quote(colour)}];")
+                attrs = f"label={quote_dot(_label(p))}, fillcolor={quote_dot(colour)}"
+                lines.append(f"    {quote_dot(p.id)} [{attrs}];")
         lines.append("  }")
     for s in plan.steps:
         colour = TRANSPORT_COLOURS.get(s.transport, "#000000")
         for d in s.dst:
             lines.append(
-                f"  {_quote(s.src)} -> {_quote(d)} [color={_quote(colour)}, label={_quote(_edge_label(s))}];"
+                f"  {quote_dot(s.src)} -> {quote_dot(d)} "
+                f"[color={quote_dot(colour)}, label={quote_dot(_edge_label(s))}];"
             )
     lines.append("}")
     return "\n".join(lines) + "\n"

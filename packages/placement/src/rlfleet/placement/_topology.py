@@ -240,26 +240,19 @@ class Topology:
     ) -> Topology:
         """A homogeneous cluster behind one non-blocking fabric switch (``"fabric"``).
 
-        Defaults model an H100/H200 HGX node: NVLink 450 GB/s each way per GPU through an NVSwitch, PCIe Gen5
-        x16 (64 GB/s) from each GPU to the host, and a 400 Gb/s (50 GB/s) NIC per GPU
+        Defaults model an H100/H200 HGX node: NVLink 450 GB/s each way per GPU through an
+        NVSwitch, PCIe Gen5 x16 (64 GB/s) from each GPU to the host, and a 400 Gb/s (50 GB/s) NIC per GPU
         (``nic_per="gpu"``, rail style) or one per node (``nic_per="node"``, on the host).
         Links are full duplex, so bandwidths are per direction: NVLink 4's quoted 900 GB/s is
         450 GB/s each way.
         """
-        from rlfleet.placement._topology_build import build_synthetic
+        from rlfleet.placement._topology_build import SyntheticLinks, build_synthetic
 
+        rates = SyntheticLinks(
+            nvlink_bandwidth, nvlink_latency, pcie_bandwidth, pcie_latency, nic_bandwidth, nic_latency
+        )
         return build_synthetic(
-            nodes,
-            gpus_per_node,
-            nvlink_bandwidth=nvlink_bandwidth,
-            nvlink_latency=nvlink_latency,
-            pcie_bandwidth=pcie_bandwidth,
-            pcie_latency=pcie_latency,
-            nic_bandwidth=nic_bandwidth,
-            nic_latency=nic_latency,
-            nic_per=nic_per,
-            nvlink=nvlink,
-            node_prefix=node_prefix,
+            nodes, gpus_per_node, rates, nic_per=nic_per, nvlink=nvlink, node_prefix=node_prefix
         )
 
     # ----------------------------------------------------------------- queries

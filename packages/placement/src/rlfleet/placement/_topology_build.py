@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlfleet.placement._errors import TopologyError
 from rlfleet.placement._topology import Link, Switch, Topology
 
-__all__ = ["build_from_spec", "build_synthetic", "check_id", "spec_of"]
+__all__ = ["SyntheticLinks", "build_from_spec", "build_synthetic", "check_id", "spec_of"]
 
 
 def check_id(value: object, where: str) -> str:
@@ -79,19 +79,19 @@ def build_from_spec(spec: Mapping[str, Any]) -> Topology:
     return topo
 
 
+class SyntheticLinks(NamedTuple):
+    """Per-direction bandwidth (bytes/s) and latency (s) of a synthetic node's three link kinds."""
+
+    nvlink_bandwidth: float
+    nvlink_latency: float
+    pcie_bandwidth: float
+    pcie_latency: float
+    nic_bandwidth: float
+    nic_latency: float
+
+
 def build_synthetic(
-    nodes: int,
-    gpus_per_node: int = 8,
-    *,
-    nvlink_bandwidth: float = 450e9,
-    nvlink_latency: float = 2e-6,
-    pcie_bandwidth: float = 64e9,
-    pcie_latency: float = 2e-6,
-    nic_bandwidth: float = 50e9,
-    nic_latency: float = 5e-6,
-    nic_per: str = "gpu",
-    nvlink: bool = True,
-    node_prefix: str = "node",
+    nodes: int, gpus_per_node: int, rates: SyntheticLinks, *, nic_per: str, nvlink: bool, node_prefix: str
 ) -> Topology:
     """See `Topology.synthetic`."""
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
@@ -105,7 +105,7 @@ def build_synthetic(
     check_id(node_prefix + "0", "synthetic: node_prefix")
     topo = Topology()
     topo.source = (
-        f"synthetic: {nodes} nodes x {gpus_per_node} GPUs, NIC {nic_bandwidth:.3g} B/s per {nic_per}"
+        f"synthetic: {nodes} nodes x {gpus_per_node} GPUs, NIC {rates.nic_bandwidth:.3g} B/s per {nic_per}"
     )
     fabric = Switch("fabric")
     for n in range(nodes):
@@ -121,15 +121,16 @@ def build_synthetic(
             nvs = Switch("nvswitch", node)
             topo._add_switch(nvs, where)
         for dev in devs:
+            nic = (rates.nic_bandwidth, rates.nic_latency)
             if use_nvswitch:
-                topo._add_link(
-                    Link(dev, f"{node}/nvswitch", "nvlink", nvlink_bandwidth, nvlink_latency), where
-                )
-            topo._add_link(Link(dev, node, "pcie", pcie_bandwidth, pcie_latency), where)
+                nvl = (rates.nvlink_bandwidth, rates.nvlink_latency)
+                topo._add_link(Link(dev, f"{node}/nvswitch", "nvlink", *nvl), where)
+            topo._add_link(Link(dev, node, "pcie", rates.pcie_bandwidth, rates.pcie_latency), where)
             if nic_per == "gpu":
-                topo._add_link(Link(dev, fabric.vertex, "network", nic_bandwidth, nic_latency), where)
+                topo._add_link(Link(dev, fabric.vertex, "network", *nic), where)
         if nic_per == "node":
-            topo._add_link(Link(node, fabric.vertex, "network", nic_bandwidth, nic_latency), where)
+            nic = (rates.nic_bandwidth, rates.nic_latency)
+            topo._add_link(Link(node, fabric.vertex, "network", *nic), where)
     return topo
 
 
