@@ -33,6 +33,7 @@ from rlfleet.placement._placement import (
 from rlfleet.placement._plan import LinkLoad, TransferPlan, TransferStep
 from rlfleet.placement._profiles import HARDWARE_PROFILES
 from rlfleet.placement._reshard import DEFAULT_STRIPE_BYTES, plan_reshard
+from rlfleet.placement._reshard_cost import ReshardCost, price_reshard, reshard_lower_bound
 from rlfleet.placement._reshard_plan import Move, ReshardPlan
 from rlfleet.placement._reshard_specs import DTYPE_SIZES, Parallelism, ParamSpec
 from rlfleet.placement._seed import (
@@ -56,11 +57,11 @@ from rlfleet.placement._transfer import DEFAULT_BUCKET_BYTES, RELAY_MODES, plan_
 from rlfleet.placement._transfer_seed import cost_transfer_info, seed_plan
 
 __all__ = [
-    "HARDWARE_PROFILES",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_STRIPE_BYTES",
     "DEVICE_KINDS",
     "DTYPE_SIZES",
+    "HARDWARE_PROFILES",
     "INTRA_NODE",
     "LINEAR_PARAMS",
     "LINK_KINDS",
@@ -90,6 +91,7 @@ __all__ = [
     "PlacementError",
     "Port",
     "RankInfo",
+    "ReshardCost",
     "ReshardError",
     "ReshardPlan",
     "StepReport",
@@ -117,6 +119,8 @@ __all__ = [
     "plan_reshard",
     "plan_sync",
     "plan_transfer",
+    "price_reshard",
+    "reshard_lower_bound",
     "seed_plan",
     "seed_sync_plan",
     "split_shares",

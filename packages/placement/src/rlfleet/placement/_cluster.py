@@ -21,7 +21,7 @@ from rlfleet.placement._errors import TopologyError
 from rlfleet.placement._profiles import HARDWARE_PROFILES
 from rlfleet.placement._topology import Topology
 
-__all__ = ["NvidiaSmiTopo", "OVERRIDE_KEYS", "parse_nvidia_smi_topo", "topology_from_ray_nodes"]
+__all__ = ["OVERRIDE_KEYS", "NvidiaSmiTopo", "parse_nvidia_smi_topo", "topology_from_ray_nodes"]
 
 #: Keys `topology_from_ray_nodes` accepts in ``overrides`` (and in ``overrides["per_node"][id]``).
 OVERRIDE_KEYS: tuple[str, ...] = (

@@ -15,7 +15,7 @@ from typing import Any
 
 from rlfleet.placement._errors import ReshardError
 
-__all__ = ["DTYPE_SIZES", "STAGES", "Hold", "ParamSpec", "Parallelism", "holds"]
+__all__ = ["DTYPE_SIZES", "STAGES", "Hold", "Parallelism", "ParamSpec", "holds"]
 
 STAGES = ("first", "last", "first_and_last", "all")
 
