@@ -152,7 +152,8 @@ class CostModel:
         """A copy with the given `LINEAR_PARAMS` replaced (rates back from seconds per byte).
 
         A wire term changes the protocol efficiency, not the line rate: the inter-node one (when
-        given) sets ``protocol_efficiency``, and the intra-node rate absorbs the rest of its own.
+        given) sets ``protocol_efficiency`` (or, when the measured rate beats the assumed line rate,
+        raises the line rate instead), and the intra-node rate absorbs the rest of its own.
         """
         unknown = sorted(set(values) - set(LINEAR_PARAMS))
         if unknown:
@@ -166,8 +167,12 @@ class CostModel:
                 changes[name] = max(0.0, values[name])
         eff = self.protocol_efficiency
         if "inter_s_per_byte" in values:
-            eff = min(1.0, 1.0 / (max(values["inter_s_per_byte"], 1e-18) * self.inter_node_bytes_per_s))
-            changes["protocol_efficiency"] = eff
+            measured = 1.0 / max(values["inter_s_per_byte"], 1e-18)  # line rate x efficiency
+            if measured <= self.inter_node_bytes_per_s:
+                eff = measured / self.inter_node_bytes_per_s
+                changes["protocol_efficiency"] = eff
+            else:  # faster than the assumed line rate: the line rate was wrong, not the efficiency
+                changes["inter_node_bytes_per_s"] = measured / eff
         if "intra_s_per_byte" in values:
             changes["intra_node_bytes_per_s"] = 1.0 / (max(values["intra_s_per_byte"], 1e-18) * eff)
         return dataclasses.replace(self, **changes)

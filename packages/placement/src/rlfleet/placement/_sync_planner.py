@@ -92,26 +92,25 @@ def _pricing(
 
 
 def split_shares(bucket_bytes: Sequence[int], parts: int) -> list[tuple[int, ...]]:
-    """Contiguous runs of bucket indices, one per part, balanced by bytes (greedy prefix cuts).
+    """Contiguous runs of bucket indices, one per part, balanced by bytes.
 
-    Part ``k`` ends at the first bucket whose running total reaches ``(k + 1) / parts`` of the
-    bytes, leaving at least one bucket for each later part while buckets remain.
+    Part ``k`` ends at the bucket boundary nearest to ``(k + 1) / parts`` of the bytes (ties: the
+    earlier one), leaving at least one bucket for each later part while buckets remain.
     """
     n = len(bucket_bytes)
     total = sum(bucket_bytes)
+    prefix = [0]
+    for size in bucket_bytes:
+        prefix.append(prefix[-1] + size)
     shares: list[tuple[int, ...]] = []
-    start, running = 0, 0
+    start = 0
     for k in range(parts):
         if k == parts - 1:
             end = n
         else:
             goal = total * (k + 1) / parts
-            end = start
-            while end < n - (parts - 1 - k) and (running + bucket_bytes[end] <= goal or end == start):
-                running += bucket_bytes[end]
-                end += 1
-        if end == n and k < parts - 1:
-            running = total
+            lo, hi = min(start + 1, n), max(min(start + 1, n), n - (parts - 1 - k))
+            end = min(range(lo, hi + 1), key=lambda e: (abs(prefix[e] - goal), e))
         shares.append(tuple(range(start, end)))
         start = end
     return shares

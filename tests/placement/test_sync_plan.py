@@ -1,0 +1,285 @@
+"""SyncPlan: the shapes plan_sync produces, validate() catching each broken plan, diff(), JSON, and
+the seed-shaped view agreeing with the seed's own planners."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.placement import (
+    NodeBuffer,
+    SyncPlan,
+    SyncPlanError,
+    SyncProcess,
+    SyncStep,
+    build_transfer_info_for_colocated,
+    build_transfer_info_for_disaggregated,
+    plan_sync,
+    seed_sync_plan,
+    split_shares,
+)
+
+MiB = 2**20
+BUCKETS = [64 * MiB, 32 * MiB, 64 * MiB, 16 * MiB, 64 * MiB, 48 * MiB]
+
+
+def T(pid: str, node: str, device: str = "cpu") -> SyncProcess:
+    return SyncProcess(pid, "trainer", node, device)
+
+
+def R(pid: str, node: str, device: str = "cpu", shard: tuple[int, int] | None = None) -> SyncProcess:
+    return SyncProcess(pid, "rollout", node, device, shard)
+
+
+def cluster(trainers: int) -> list[SyncProcess]:
+    """n0: trainer t0 and one rollout; t1, t2, ... on trainer-only nodes; n1, n2: rollout workers."""
+    procs = [T(f"t{i}", "n0" if i == 0 else f"nt{i}") for i in range(trainers)]
+    procs += [R("r0", "n0"), R("r1", "n1"), R("r2", "n1"), R("r3", "n2"), R("r4", "n2"), R("r5", "n2")]
+    return procs
+
+
+def test_one_vs_two_trainers_split_the_buckets_into_byte_balanced_shares() -> None:
+    one = plan_sync(cluster(1), BUCKETS, "Double")
+    two = plan_sync(cluster(2), BUCKETS, "Double")
+    assert [s.src for s in one.steps if s.transport == "broadcast"] == ["t0"]
+    shares = [s for s in two.steps if s.transport == "broadcast"]
+    assert [s.src for s in shares] == ["t0", "t1"]
+    assert shares[0].buckets + shares[1].buckets == tuple(range(len(BUCKETS)))  # disjoint, contiguous
+    assert abs(shares[0].nbytes - shares[1].nbytes) <= max(BUCKETS)
+    assert two.groups() == (("t0", "r1", "r2", "r3", "r4", "r5"), ("t1", "r1", "r2", "r3", "r4", "r5"))
+    assert two.predicted_seconds < one.predicted_seconds  # two senders: no funnel
+    funnel = plan_sync(cluster(2), BUCKETS, "Double", senders="one")
+    assert [s.src for s in funnel.steps if s.transport == "broadcast"] == ["t0"]
+
+
+def test_shared_reads_node_buffers_and_double_copies_out() -> None:
+    shared = plan_sync(cluster(2), BUCKETS, "Shared")
+    # the trainer node: its first trainer writes, its rollout binds; other nodes: first rollout
+    # receives the broadcasts and fills the buffer the others read after them
+    assert {(b.node, b.writer, b.readers, b.mode) for b in shared.node_buffers} == {
+        ("n0", "t0", ("r0",), "bind"),
+        ("n1", "r1", ("r2",), "bind"),
+        ("n2", "r3", ("r4", "r5"), "bind"),
+    }
+    reads = {s.node: s for s in shared.steps if s.transport == "node_buffer"}
+    broadcasts = tuple(s.index for s in shared.steps if s.transport == "broadcast")
+    assert reads["n1"].after == broadcasts
+    assert reads["n2"].after == broadcasts
+    assert reads["n0"].after == ()
+    assert {d for s in shared.steps if s.transport == "broadcast" for d in s.dst} == {"r1", "r3"}
+    double = plan_sync(cluster(2), BUCKETS, "Double")
+    assert [(b.node, b.mode) for b in double.node_buffers] == [("n0", "copy")]
+    destinations = {d for s in double.steps if s.transport == "broadcast" for d in s.dst}
+    assert destinations == {"r1", "r2", "r3", "r4", "r5"}
+
+
+def test_fanout_direct_vs_node_buffer_is_a_choice() -> None:
+    direct = plan_sync(cluster(1), BUCKETS, "Shared", fanout="direct")
+    relay = plan_sync(cluster(1), BUCKETS, "Double", fanout="node_buffer")
+    assert [s.transport for s in direct.steps].count("node_buffer") == 1  # only the trainer's node
+    assert {b.mode for b in relay.node_buffers} == {"copy"}
+    assert len(relay.groups()[0]) == 3  # t0 + one writer per rollout-only node
+
+
+def test_sharded_rollouts_keep_their_shard_and_the_bound_counts_only_that() -> None:
+    # tensor-parallel over two nodes: each node holds half of the 8 shards, and needs only that half
+    sharded = [T("t0", "n0"), T("t1", "n0")] + [R(f"r{i}", f"n{1 + i // 4}", shard=(i, 8)) for i in range(8)]
+    full = [dataclasses.replace(p, shard=None) for p in sharded]
+    plan = plan_sync(sharded, BUCKETS, "Sharded")
+    double = plan_sync(full, BUCKETS, "Double")
+    assert plan.lower_bound_seconds == pytest.approx(double.lower_bound_seconds / 2, rel=1e-3)
+    assert plan.process("r5").shard == (5, 8)
+    with pytest.raises(SyncPlanError, match="carries a shard"):
+        plan_sync(sharded, BUCKETS, "Double")
+
+
+def test_gpu_nodes_use_cuda_ipc_unless_switched_off() -> None:
+    procs = [T("t0", "n0", "cuda:0"), R("r0", "n0", "cuda:1"), R("r1", "n0", "cpu"), R("r2", "n1", "cuda:0")]
+    plan = plan_sync(procs, BUCKETS, "Double")
+    local = {s.transport: s for s in plan.steps if s.node == "n0"}
+    assert local["cuda_ipc"].dst == ("r0",)
+    assert local["node_buffer"].dst == ("r1",)
+    assert local["cuda_ipc"].predicted_seconds > 0  # a handoff on the node is not free
+    off = plan_sync(procs, BUCKETS, "Double", cuda_ipc=False)
+    assert {s.transport for s in off.steps} == {"broadcast", "node_buffer"}
+    colocated = plan_sync([T("t0", "n0", "cuda:0"), R("r0", "n0", "cuda:0")], BUCKETS, "Double")
+    assert colocated.predicted_seconds > 0
+
+
+def test_split_shares_is_contiguous_and_balanced() -> None:
+    assert split_shares([1, 1, 1, 1], 2) == [(0, 1), (2, 3)]
+    assert split_shares([10, 1, 1, 1], 2) == [(0,), (1, 2, 3)]
+    assert split_shares([64, 32, 64, 16, 64, 48], 2) == [(0, 1, 2), (3, 4, 5)]  # 160 / 128 MiB
+    assert split_shares([1, 2], 3) == [(0,), (1,), ()]
+    assert split_shares([], 2) == [(), ()]
+
+
+def _broken(plan: SyncPlan, position: int, **changes: object) -> SyncPlan:
+    steps = list(plan.steps)
+    steps[position] = dataclasses.replace(steps[position], **changes)  # type: ignore[arg-type]
+    return dataclasses.replace(plan, steps=tuple(steps))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: _broken(p, 0, dst=("r1", "ghost")), "unknown process id 'ghost'"),
+        (lambda p: _broken(p, 0, transport="carrier-pigeon"), "unknown transport"),
+        (lambda p: _broken(p, 0, buckets=(0, 1, 99)), "outside 0..5"),
+        (lambda p: _broken(p, 0, nbytes=1), "nbytes 1 but its buckets hold"),
+        (lambda p: _broken(p, 1, buckets=(2, 3, 4, 5), nbytes=sum(BUCKETS[2:])), "shares not disjoint"),
+        (lambda p: _broken(p, 1, buckets=(4, 5), nbytes=sum(BUCKETS[4:])), "'r1' does not hold bucket"),
+        (lambda p: _broken(p, 3, after=()), "does not hold bucket.*read before the node"),
+        (lambda p: _broken(p, 3, after=(5,)), "not an earlier step"),
+        (lambda p: _broken(p, 3, src="r2", dst=("r1",)), "sender 'r2' does not hold bucket"),
+        (lambda p: _broken(p, 0, dst=("t1", "r1", "r3")), "trainers only send"),
+        (lambda p: _broken(p, 0, index=7), "a step's index must be its position"),
+        (lambda p: dataclasses.replace(p, node_buffers=p.node_buffers[:1]), "without a NodeBuffer entry"),
+        (lambda p: dataclasses.replace(p, strategy="Triple"), "strategy must be one of"),
+    ],
+)
+def test_validate_names_each_class_of_broken_plan(change: object, message: str) -> None:
+    plan = plan_sync(cluster(2), BUCKETS, "Shared")
+    assert [s.transport for s in plan.steps] == ["broadcast"] * 2 + ["node_buffer"] * 3
+    plan.validate()
+    with pytest.raises(SyncPlanError, match=message):
+        change(plan).validate()  # type: ignore[operator]
+
+
+def test_validate_catches_missing_and_repeated_buckets() -> None:
+    double = plan_sync(cluster(2), BUCKETS, "Double")
+    with pytest.raises(SyncPlanError, match="rollout 'r1' misses bucket\\(s\\) \\[3\\]"):
+        _broken(double, 1, buckets=(4, 5), nbytes=sum(BUCKETS[4:])).validate()
+    plan = plan_sync(cluster(1), BUCKETS, "Double")
+    extra = SyncStep(len(plan.steps), "p2p", "t0", ("r1",), None, (0,), BUCKETS[0])
+    with pytest.raises(SyncPlanError, match="'r1' gets bucket\\(s\\) \\[0\\] more than once"):
+        dataclasses.replace(plan, steps=(*plan.steps, extra)).validate()
+
+
+def test_diff_after_death_join_pop_and_convert() -> None:
+    base = plan_sync(cluster(2), BUCKETS, "Shared")
+    assert base.diff(base).empty
+    assert base.diff(base).summary() == "no change"
+    died = plan_sync([p for p in cluster(2) if p.id != "r3"], BUCKETS, "Shared")  # r3 wrote n2's buffer
+    d = died.diff(base)
+    assert d.processes_removed == ("r3",)
+    assert not d.processes_added
+    assert ("t0", "r1", "r3") in d.groups_removed
+    assert ("t0", "r1", "r4") in d.groups_added
+    assert d.node_buffers_changed == ("n2",)
+    joined = plan_sync([*cluster(2), R("r6", "n3")], BUCKETS, "Shared")
+    j = joined.diff(base)
+    assert j.processes_added == ("r6",)
+    assert "n3" in j.node_buffers_changed
+    assert all("r6" in g for g in j.groups_added)
+    popped = plan_sync([p for p in cluster(2) if p.id != "r5"], BUCKETS, "Shared")
+    p = popped.diff(base)
+    assert p.processes_removed == ("r5",)
+    assert not p.groups_added
+    assert p.node_buffers_changed == ("n2",)
+    converted = [SyncProcess("r0", "trainer", "n0") if q.id == "r0" else q for q in cluster(2)]
+    c = plan_sync(converted, BUCKETS, "Shared").diff(base)
+    assert c.roles_changed == ("r0",)
+    assert "role changed: r0" in c.summary()
+    assert json.loads(json.dumps(c.to_dict()))["roles_changed"] == ["r0"]
+
+
+@pytest.mark.parametrize("strategy", ["None", "Double", "Shared", "Sharded"])
+def test_json_round_trip_and_digest(strategy: str) -> None:
+    procs = cluster(2)
+    if strategy == "Sharded":
+        procs = [dataclasses.replace(p, shard=(0, 2)) if p.role == "rollout" else p for p in procs]
+    plan = plan_sync(procs, BUCKETS, strategy, layout_digest="abc", bucket_tensors=[3, 1, 4, 1, 5, 9])
+    again = SyncPlan.from_json(json.dumps(json.loads(plan.to_json())))
+    assert again == plan
+    assert again.digest == plan.digest
+    assert plan.tensors_in((0, 5)) == 12
+    moved = dataclasses.replace(plan, predicted_seconds=99.0)
+    assert moved.digest == plan.digest  # predictions are not part of what executes
+    with pytest.raises(SyncPlanError, match="format"):
+        SyncPlan.from_dict({**plan.to_dict(), "format": 99})
+    with pytest.raises(SyncPlanError, match="malformed"):
+        SyncPlan.from_dict({k: v for k, v in plan.to_dict().items() if k != "steps"})
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> list[SyncProcess]:
+    nodes = draw(st.integers(1, 5))
+    procs: list[SyncProcess] = []
+    for i in range(draw(st.integers(1, 6))):
+        procs.append(T(f"t{i}", f"n{draw(st.integers(0, nodes - 1))}"))
+    for i in range(draw(st.integers(1, 10))):
+        procs.append(R(f"r{i}", f"n{draw(st.integers(0, nodes - 1))}"))
+    return procs
+
+
+@settings(max_examples=120, deadline=None)
+@given(layouts(), st.sampled_from(["None", "Double", "Shared"]), st.integers(1, 9))
+def test_seed_view_equals_the_seed_planner(procs: list[SyncProcess], strategy: str, n_buckets: int) -> None:
+    seed = seed_sync_plan(procs, [MiB] * n_buckets, strategy)
+    seed.validate()
+    info: dict[str, dict[str, list[str]]] = {}
+    for role, key in (("trainer", "train_policies"), ("rollout", "eval_policies")):
+        for p in procs:
+            if p.role == role:
+                info.setdefault(p.node, {"train_policies": [], "eval_policies": []})[key].append(p.id)
+    objects = {p.id: f"<actor {p.id}>" for p in procs}
+    expected = build_transfer_info_for_disaggregated(
+        {n: {k: [objects[i] for i in v] for k, v in e.items()} for n, e in info.items()}, strategy
+    )
+    assert seed.transfer_info(objects) == expected
+    ours = plan_sync(procs, [MiB] * n_buckets, strategy)
+    ours.validate()
+    assert ours.predicted_seconds >= ours.lower_bound_seconds
+
+
+def test_seed_colocated_view_and_missing_objects() -> None:
+    procs = [T("t0", "n0", "cuda:0"), T("t1", "n0", "cuda:1")]
+    procs += [R("r0", "n0", "cuda:0"), R("r1", "n0", "cuda:1")]
+    plan = seed_sync_plan(procs, BUCKETS, "Double", colocated=True)
+    assert [s.transport for s in plan.steps] == ["cuda_ipc", "cuda_ipc"]
+    assert plan.transfer_info({p.id: p.id for p in procs}) == build_transfer_info_for_colocated(
+        ["t0", "t1"], ["r0", "r1"]
+    )
+    with pytest.raises(SyncPlanError, match="no object given for process 't0'"):
+        plan.transfer_info({})
+
+
+def test_bad_inputs_are_named() -> None:
+    with pytest.raises(SyncPlanError, match="duplicate process id 'r0'"):
+        plan_sync([T("t0", "n0"), R("r0", "n1"), R("r0", "n2")], BUCKETS, "Double")
+    with pytest.raises(SyncPlanError, match="no trainer"):
+        plan_sync([R("r0", "n1")], BUCKETS, "Double")
+    with pytest.raises(SyncPlanError, match="bucket_bytes\\[1\\]"):
+        plan_sync(cluster(1), [1, -2], "Double")
+    with pytest.raises(SyncPlanError, match="role must be one of"):
+        SyncProcess("x", "eval", "n0")  # type: ignore[arg-type]
+    with pytest.raises(SyncPlanError, match="fanout"):
+        plan_sync(cluster(1), BUCKETS, "Double", fanout="tree")  # type: ignore[arg-type]
+    with pytest.raises(SyncPlanError, match="bucket_tensors"):
+        plan_sync(cluster(1), BUCKETS, "Double", bucket_tensors=[1])
+
+
+def test_node_buffer_modes_are_checked() -> None:
+    with pytest.raises(SyncPlanError, match="mode must be one of"):
+        NodeBuffer("n0", "t0", (), "mmap")  # type: ignore[arg-type]
+
+
+def test_drawing_groups_processes_by_node(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    plan = plan_sync(cluster(2), BUCKETS, "Shared")
+    dot = plan.to_dot()
+    assert dot.count("subgraph cluster_") == 4
+    assert 'label="node n1"' in dot
+    assert '"t0" -> "r1"' in dot
+    assert "broadcast" in dot
+    assert "MB" in dot
+    assert "predicted" in dot
+    assert "not run" in dot
+    png = plan.draw(tmp_path / "plan.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
