@@ -132,17 +132,18 @@ def draw_sync_plan(plan: SyncPlan, path: Path, report: SyncReport | None = None)
     ys = [b[2] for b in boxes] + [b[2] + b[4] for b in boxes]
     width, height = max(xs) - min(xs) + 1.0, max(ys) - min(ys) + 1.6
     scale = min(1.0, 18.0 / max(width, height))
-    fig: Any = Figure(figsize=(max(7.0, width * 1.5 * scale), max(4.5, height * 1.5 * scale)), dpi=110)
+    fig: Any = Figure(figsize=(max(6.0, width * 1.4 * scale), max(3.5, height * 1.4 * scale + 1.0)), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     _draw_nodes(ax, plan, pos, boxes)
     _draw_edges(ax, plan, pos)
     used = [t for t in TRANSPORT_COLOURS if any(s.transport == t for s in plan.steps)]
     handles = [Line2D([0], [0], color=TRANSPORT_COLOURS[t], lw=2, label=t) for t in used]
-    if handles:
-        fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
+    if handles:  # under the title, so a tight crop leaves no empty band
+        where = {"loc": "lower center", "bbox_to_anchor": (0.5, 1.0), "ncol": len(handles)}
+        ax.legend(handles=handles, frameon=False, fontsize=9, **where)
     source = textwrap.shorten(plan.topology_source, 150, placeholder="...")
-    ax.set_title(f"{sync_title(plan, report)}\npriced on: {source}", fontsize=9)
+    ax.set_title(f"{sync_title(plan, report)}\npriced on: {source}", fontsize=9, pad=22)
     ax.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
     ax.set_ylim(min(ys) - 0.6, max(ys) + 0.4)
     ax.set_aspect("equal")
