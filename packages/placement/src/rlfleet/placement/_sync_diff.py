@@ -53,20 +53,14 @@ class SyncPlanDiff:
         if self.empty:
             return "no change"
         parts: list[str] = []
-        for label, items in (
-            ("process", self.processes_added),
-            ("step", self.steps_added),
-            ("group", self.groups_added),
+        for sign, items in (
+            ("+", (self.processes_added, self.steps_added, self.groups_added)),
+            ("-", (self.processes_removed, self.steps_removed, self.groups_removed)),
         ):
-            if items:
-                parts.append(f"+{len(items)} {label}{'es' if label == 'process' and len(items) > 1 else ''}")
-        for label, items in (
-            ("process", self.processes_removed),
-            ("step", self.steps_removed),
-            ("group", self.groups_removed),
-        ):
-            if items:
-                parts.append(f"-{len(items)} {label}{'es' if label == 'process' and len(items) > 1 else ''}")
+            for label, found in zip(("process", "step", "group"), items, strict=True):
+                if found:
+                    plural = "" if len(found) == 1 else ("es" if label == "process" else "s")
+                    parts.append(f"{sign}{len(found)} {label}{plural}")
         if self.roles_changed:
             parts.append(f"role changed: {', '.join(self.roles_changed)}")
         if self.node_buffers_changed:
