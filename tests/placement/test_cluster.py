@@ -6,8 +6,14 @@ from typing import Any
 
 import pytest
 
-from rlfleet.placement import SyncPlanError, SyncProcess, Topology, TopologyError, plan_sync
-from rlfleet.placement._cluster import parse_nvidia_smi_topo
+from rlfleet.placement import (
+    SyncPlanError,
+    SyncProcess,
+    Topology,
+    TopologyError,
+    parse_nvidia_smi_topo,
+    plan_sync,
+)
 
 
 def ray_node(node_id: str, ip: str, resources: dict[str, float], *, alive: bool = True) -> dict[str, Any]:

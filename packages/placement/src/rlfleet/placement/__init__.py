@@ -2,6 +2,7 @@
 weight-transfer planning for RL post-training clusters (networkx only; matplotlib for drawing)."""
 
 from rlfleet.placement.__about__ import __version__
+from rlfleet.placement._cluster import NvidiaSmiTopo, parse_nvidia_smi_topo
 from rlfleet.placement._comm import (
     INTRA_NODE,
     TRAIN_DATA_PARALLEL,
@@ -85,6 +86,7 @@ __all__ = [
     "LinkLoad",
     "Move",
     "NodeBuffer",
+    "NvidiaSmiTopo",
     "Parallelism",
     "ParamSpec",
     "Placement",
@@ -112,6 +114,7 @@ __all__ = [
     "build_transfer_info_for_disaggregated",
     "cost_transfer_info",
     "lower_bound_seconds",
+    "parse_nvidia_smi_topo",
     "pipeline_seconds",
     "place_colocated",
     "place_disaggregated",
