@@ -91,12 +91,14 @@ def test_staged_engine_untouched_by_an_aborted_version() -> None:
     consumer.begin(2)
     for index in range(len(consumer.layout.buckets) - 1):
         consumer.consume(index, bucket(consumer.layout, 2, index))
-    with pytest.raises(WeightSyncError, match="1 bucket\\(s\\) missing"):
+    with pytest.raises(WeightSyncError, match=r"1 bucket\(s\) missing"):
         consumer.prepare_commit(2, 10.0)
     consumer.abort(RuntimeError("peer lost"))
-    assert model.calls == 1 and model.finalized == 1  # only version 1 ever reached the engine
+    assert model.calls == 1
+    assert model.finalized == 1  # only version 1 ever reached the engine
     assert lw.engine_checksum(model) == before
-    assert consumer.version == 1 and consumer.torn is False
+    assert consumer.version == 1
+    assert consumer.torn is False
     assert consumer.told == []  # type: ignore[attr-defined]
 
 
@@ -105,16 +107,18 @@ def test_staged_load_weights_failure_is_reported_as_partial_staged() -> None:
     consumer = consumer_for(model)
     feed(consumer, lw.trainer_state(1).items(), 1)
     model.fail_after = model.pairs + 3  # the engine breaks after three pairs of version 2
-    with pytest.raises(PartialLoadError, match="mode 'staged'.*must be reloaded") as info:
+    with pytest.raises(PartialLoadError, match=r"mode 'staged'.*must be reloaded") as info:
         feed(consumer, lw.trainer_state(2).items(), 2)
-    assert info.value.version == 2 and info.value.mode == "staged"
+    assert info.value.version == 2
+    assert info.value.mode == "staged"
     assert consumer.version == 1  # never reported as holding version 2
     assert consumer.torn is True
     assert consumer.told == [consumer.last_error]  # type: ignore[attr-defined]
     assert model.finalized == 1  # no post-processing of a half-loaded version
     model.fail_after = None
     feed(consumer, lw.trainer_state(3).items(), 3)  # a complete version repairs the engine
-    assert consumer.torn is False and consumer.version == 3
+    assert consumer.torn is False
+    assert consumer.version == 3
     assert lw.engine_checksum(model) == checksum(lw.engine_view(3))
 
 
@@ -127,9 +131,10 @@ def test_finalize_failure_is_a_partial_load() -> None:
     consumer = LoadWeightsConsumer(
         lw.trainer_layout(), model.load_weights, finalize=broken, transforms=lw.engine_transforms()
     )
-    with pytest.raises(PartialLoadError, match="finalize raised.*repacking failed"):
+    with pytest.raises(PartialLoadError, match=r"finalize raised.*repacking failed"):
         feed(consumer, lw.trainer_state(1).items(), 1)
-    assert consumer.version == -1 and consumer.torn is True
+    assert consumer.version == -1
+    assert consumer.torn is True
 
 
 def test_stream_abort_after_a_fed_bucket_tells_the_engine() -> None:
@@ -142,7 +147,8 @@ def test_stream_abort_after_a_fed_bucket_tells_the_engine() -> None:
     consumer.abort(ConnectionError("sender died"))
     error = consumer.last_error
     assert isinstance(error, PartialLoadError)
-    assert error.mode == "stream" and error.version == 2
+    assert error.mode == "stream"
+    assert error.version == 2
     assert "holds a mix of version 1 and version 2 and must be reloaded" in str(error)
     assert "sender died" in str(error)
     assert consumer.told == [error]  # type: ignore[attr-defined]
@@ -151,16 +157,18 @@ def test_stream_abort_after_a_fed_bucket_tells_the_engine() -> None:
     fresh = consumer_for(lw.ServingModel(), "stream")
     fresh.begin(1)
     fresh.abort(ConnectionError("sender died"))
-    assert fresh.torn is False and fresh.told == []  # type: ignore[attr-defined]
+    assert fresh.torn is False
+    assert fresh.told == []  # type: ignore[attr-defined]
     assert not isinstance(fresh.last_error, PartialLoadError)
 
 
 def test_stream_engine_failure_in_a_bucket_names_the_mode() -> None:
     model = lw.ServingModel(fail_after=2)
     consumer = consumer_for(model, "stream")
-    with pytest.raises(PartialLoadError, match="load_weights raised while loading version 1 \\(mode 'stream'\\)"):
+    with pytest.raises(PartialLoadError, match=r"raised while loading version 1 \(mode 'stream'\)"):
         feed(consumer, lw.trainer_state(1).items(), 1)
-    assert consumer.torn is True and consumer.version == -1
+    assert consumer.torn is True
+    assert consumer.version == -1
 
 
 def test_expected_engine_weights_are_checked_before_any_sync() -> None:
@@ -168,19 +176,19 @@ def test_expected_engine_weights_are_checked_before_any_sync() -> None:
     layout = lw.trainer_layout()
     wrong = dict(model.named())
     wrong["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
-    with pytest.raises(LayoutMismatchError, match="qkv_proj.weight' as bfloat16 \\(96, 64\\)"):
+    with pytest.raises(LayoutMismatchError, match=r"qkv_proj.weight' as bfloat16 \(96, 64\)"):
         LoadWeightsConsumer(layout, model.load_weights, transforms=lw.engine_transforms(), expected=wrong)
     extra = {**model.named(), "model.extra": torch.zeros(1)}
-    with pytest.raises(LayoutMismatchError, match="engine expects 'model.extra'"):
+    with pytest.raises(LayoutMismatchError, match=r"engine expects 'model.extra'"):
         LoadWeightsConsumer(layout, model.load_weights, transforms=lw.engine_transforms(), expected=extra)
-    with pytest.raises(LayoutMismatchError, match="as float32 \\(50, 64\\), the engine expects bfloat16"):
+    with pytest.raises(LayoutMismatchError, match=r"as float32 \(50, 64\), the engine expects bfloat16"):
         LoadWeightsConsumer(layout, model.load_weights, expected=model.named())  # no cast
-    with pytest.raises(LayoutMismatchError, match="q_proj.weight', which the engine does not expect"):
+    with pytest.raises(LayoutMismatchError, match=r"q_proj.weight', which the engine does not expect"):
         LoadWeightsConsumer(layout, model.load_weights, transforms=[Cast("bfloat16")], expected=model.named())
     no_v = Layout([(s.name, s.shape, s.dtype) for s in layout.tensors if "v_proj" not in s.name], lw.BUCKET)
-    with pytest.raises(LayoutMismatchError, match="missing shard"):
+    with pytest.raises(LayoutMismatchError, match=r"missing shard"):
         LoadWeightsConsumer(no_v, model.load_weights, transforms=lw.engine_transforms())
-    with pytest.raises(ValueError, match="'staged' or 'stream'"):
+    with pytest.raises(ValueError, match=r"'staged' or 'stream'"):
         LoadWeightsConsumer(layout, model.load_weights, mode="lazy")  # type: ignore[arg-type]
 
 
@@ -199,9 +207,10 @@ def test_versions_must_increase_and_feed_names_bad_streams() -> None:
     bad[name] = bad[name].double()
     with pytest.raises(LayoutMismatchError, match=f"'{name}' is float64"):
         feed(consumer, bad.items(), 2)
-    with pytest.raises(LayoutMismatchError, match="'nope' is not in the layout"):
+    with pytest.raises(LayoutMismatchError, match=r"'nope' is not in the layout"):
         feed(consumer, [*state.items(), ("nope", torch.ones(1))], 2)
-    assert consumer.version == 1 and model.calls == 1  # none of it reached the engine
+    assert consumer.version == 1
+    assert model.calls == 1  # none of it reached the engine
     assert lw.engine_checksum(model) == checksum(lw.engine_view(1))
 
 
@@ -234,13 +243,17 @@ def test_broadcast_into_engines_in_other_processes_staged_and_stream() -> None:
             assert got[f"v{v}"]["derived_ok"]
         failed = got["v3"]
         assert "SyncAbortedError" in failed["error"]
-        assert failed["version"] == 2 and failed["finalized"] == 2
+        assert failed["version"] == 2
+        assert failed["finalized"] == 2
         if mode == "staged":
             assert failed["checksum"] == want[2]  # untouched
-            assert failed["torn"] is False and failed["partial"] is None and failed["told"] == []
+            assert failed["torn"] is False
+            assert failed["partial"] is None
+            assert failed["told"] == []
         else:
             assert failed["checksum"] not in (want[2], checksum(lw.engine_view(3)))  # a mix
-            assert failed["torn"] is True and failed["told"] == ["stream:3"]
+            assert failed["torn"] is True
+            assert failed["told"] == ["stream:3"]
             assert failed["partial"][:2] == ("stream", 3)
             assert "must be reloaded" in failed["partial"][2]
         assert got["v4"]["told"] == failed["told"]  # told once, not again by the repair

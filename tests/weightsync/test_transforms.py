@@ -71,11 +71,11 @@ def test_rename_collision_and_strict_modes_name_the_weights() -> None:
     sd = {"a.w": torch.ones(2), "b.w": torch.zeros(2)}
     with pytest.raises(LayoutMismatchError, match=r"renames both 'a.w' and 'b.w' to 'w'"):
         list(apply_transforms([Rename.regex(r"^[ab]\.", "")], sd.items()))
-    with pytest.raises(LayoutMismatchError, match="'b.w' is not in the rename map"):
+    with pytest.raises(LayoutMismatchError, match=r"'b.w' is not in the rename map"):
         list(apply_transforms([Rename.exact({"a.w": "x"}, strict=True)], sd.items()))
-    with pytest.raises(LayoutMismatchError, match="does not start with 'model.'"):
+    with pytest.raises(LayoutMismatchError, match=r"does not start with 'model.'"):
         list(apply_transforms([Rename.prefix("model.", "", strict=True)], sd.items()))
-    with pytest.raises(LayoutMismatchError, match="turned 'a.w' into ''"):
+    with pytest.raises(LayoutMismatchError, match=r"turned 'a.w' into ''"):
         list(apply_transforms([Rename(lambda n: "")], sd.items()))
 
 
@@ -145,9 +145,7 @@ def test_fuse_keeps_special_values_bit_exact() -> None:
     q = bits.view(torch.float32).reshape(6, 1)
     k, v = q.flip(0).clone(), -q
     out = dict(
-        apply_transforms(
-            [Fuse()], [("a.q_proj.weight", q), ("a.k_proj.weight", k), ("a.v_proj.weight", v)]
-        )
+        apply_transforms([Fuse()], [("a.q_proj.weight", q), ("a.k_proj.weight", k), ("a.v_proj.weight", v)])
     )
     assert same_bits(out["a.qkv_proj.weight"], torch.cat([q, k, v]))
 
@@ -158,15 +156,15 @@ def test_fuse_errors_name_the_stacked_weight_and_the_shard() -> None:
     with pytest.raises(LayoutMismatchError, match=r"qkv_proj.weight' is missing shard\(s\) \['k'\]"):
         list(apply_transforms([Fuse()], incomplete.items()))
     twice = [("a.q_proj.weight", torch.ones(2, 2)), ("a.q_proj.weight", torch.ones(2, 2))]
-    with pytest.raises(LayoutMismatchError, match="shard 'q' of 'a.qkv_proj.weight' arrived twice"):
+    with pytest.raises(LayoutMismatchError, match=r"shard 'q' of 'a.qkv_proj.weight' arrived twice"):
         list(apply_transforms([Fuse()], twice))
     wide = [("a.q_proj.weight", torch.ones(4, 8)), ("a.k_proj.weight", torch.ones(2, 6))]
     with pytest.raises(LayoutMismatchError, match=r"cannot stack 'a.qkv_proj.weight' along dim 0"):
         list(apply_transforms([Fuse()], wide))
     mixed = [("a.gate_proj.w", torch.ones(2, 2)), ("a.up_proj.w", torch.ones(2, 2, dtype=torch.float16))]
-    with pytest.raises(LayoutMismatchError, match="'a.gate_proj.w' is float32, 'a.up_proj.w' is float16"):
+    with pytest.raises(LayoutMismatchError, match=r"'a.gate_proj.w' is float32, 'a.up_proj.w' is float16"):
         list(apply_transforms([Fuse()], mixed))
-    with pytest.raises(ValueError, match="listed twice"):
+    with pytest.raises(ValueError, match=r"listed twice"):
         Fuse([("qkv", "q", "q"), ("qkv", "k", "q")])
 
 
@@ -206,8 +204,9 @@ def test_cast_widening_is_exact_and_leaves_integers_and_unmatched_names() -> Non
     assert out["l.weight"].dtype == torch.float32
     assert same_bits(out["l.weight"].to(torch.bfloat16), half)  # the round trip is the identity
     assert out["l.bias"] is half  # not matched by `only`
-    assert out["ids"] is ids and out["mask"] is mask
-    with pytest.raises(ValueError, match="floating point"):
+    assert out["ids"] is ids
+    assert out["mask"] is mask
+    with pytest.raises(ValueError, match=r"floating point"):
         Cast(torch.int8)
 
 
@@ -265,5 +264,5 @@ def test_plan_matches_real_tensors_and_fails_before_any_byte_moves() -> None:
 
 
 def test_chain_rejects_what_is_not_a_stage() -> None:
-    with pytest.raises(TypeError, match="must be a WeightTransform"):
+    with pytest.raises(TypeError, match=r"must be a WeightTransform"):
         TransformChain([lambda n: n])  # type: ignore[list-item]
