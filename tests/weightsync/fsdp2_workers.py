@@ -278,7 +278,9 @@ class PeakRss:
         self.peak_extra = 1024 * (_status_kib("VmHWM") - self.rss - (_status_kib("RssShmem") - self.shmem))
 
 
-def scenario_fsdp2_memory(rank: int, world: int, port: int, bucket: int, sizes: dict[str, int]) -> dict[str, Any]:
+def scenario_fsdp2_memory(
+    rank: int, world: int, port: int, bucket: int, sizes: dict[str, int]
+) -> dict[str, Any]:
     """Rank 0's peak extra memory: streaming into the node buffer vs gathering a full state dict."""
     store = m.member_store(rank)
     trainer_group(store, rank)
