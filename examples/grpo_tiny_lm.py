@@ -284,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     if reached is None:
         print(f"target not reached: mean reward {final:.3f} < {args.target} in the budget", file=sys.stderr)
         return 1
-    print(f"mean reward reached {args.target} at iteration {reached}, {history[-1]['seconds']:.1f} s into training")
+    print(
+        f"mean reward reached {args.target} at iteration {reached}, "
+        f"{history[-1]['seconds']:.1f} s into training ({total:.1f} s in all)"
+    )
     return 0
 
 
