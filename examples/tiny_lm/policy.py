@@ -30,6 +30,7 @@ from rlfleet.weightsync import (
     Layout,
     SharedBuffer,
     checksum,
+    connect_store,
     feed,
     full_tensors,
     host_store,
@@ -86,7 +87,7 @@ class GRPOPolicy(BasePolicy):
         timeout = timedelta(seconds=timeout_s)
         store = self._fsdp_store
         if store is None:
-            store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+            store = connect_store("127.0.0.1", port, rank, world_size, Deadline(timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         mesh = init_device_mesh("cpu", (world_size,))
         model: Any = self.model
