@@ -251,13 +251,7 @@ class EngineHandle:
             return self.replies.get(timeout=60)
 
     def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        load_format: str | None = None,
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *_: Any, **__: Any
     ) -> Any:
         return self._call("update", (names, dtypes, shapes))
 
