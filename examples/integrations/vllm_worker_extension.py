@@ -9,7 +9,7 @@ Rollout side: start vLLM with this class mixed into its workers,
 Trainer side (rank 0 of the trainer, or each FSDP rank through `weightsync.full_tensors`):
 
     store = host_store(trainer_ip, 0)                        # a TCPStore for the rendezvous
-    session = VllmSync.connect(llm, store, trainer_ip, layout, workers=tp * dp)
+    session = VllmSync.connect(llm, store, trainer_ip, layout, workers=tp * dp)  # JoinOptions: see below
     session.push(model.state_dict(), version=step)          # every worker holds `step`, or it raises
 
 Every vLLM worker receives the whole model over an rlfleet broadcast (bucketed, pipelined,
@@ -23,6 +23,7 @@ the engine on the previous version. ``process_weights_after_loading`` runs once 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +44,18 @@ from rlfleet.weightsync import (
 GROUP_PREFIX = "rlfleet/vllm"
 
 
+@dataclass(frozen=True)
+class JoinOptions:
+    """How the workers receive. `rename_prefix` maps the trainer's names onto the checkpoint
+    names vLLM's ``load_weights`` reads (e.g. ``("module.", "")``); `finalize` runs vLLM's
+    ``process_weights_after_loading`` after each version."""
+
+    timeout_s: float = 300.0
+    backend: str = "nccl"
+    rename_prefix: tuple[str, str] | None = None
+    finalize: bool = True
+
+
 class RlfleetWorkerExtension:
     """Mixed into every vLLM worker; its methods are called through ``LLM.collective_rpc``."""
 
@@ -52,26 +65,20 @@ class RlfleetWorkerExtension:
     rank: int
 
     def rlfleet_join(
-        self,
-        store_host: str,
-        store_port: int,
-        layout_json: str,
-        group_size: int,
-        timeout_s: float = 300.0,
-        backend: str = "nccl",
-        rename_prefix: tuple[str, str] | None = None,
-        finalize: bool = True,
+        self, store_host: str, store_port: int, layout_json: str, group_size: int, options: JoinOptions
     ) -> str:
         """Join the trainer's broadcast group as member ``1 + rank``; returns the layout digest."""
         member = 1 + self.rank
+        timeout_s = options.timeout_s
         store = connect_store(store_host, store_port, member, group_size, Deadline(timeout_s))
-        group = MemberGroup.create(store, GROUP_PREFIX, member, group_size, timeout_s, backend)
+        group = MemberGroup.create(store, GROUP_PREFIX, member, group_size, timeout_s, options.backend)
         layout = Layout.from_json(layout_json)
-        transforms: list[WeightTransform] = [] if rename_prefix is None else [Rename.prefix(*rename_prefix)]
+        prefix = options.rename_prefix
+        transforms: list[WeightTransform] = [] if prefix is None else [Rename.prefix(*prefix)]
         self._rlfleet_consumer = LoadWeightsConsumer(
             layout,
             self.model_runner.model.load_weights,
-            finalize=self._rlfleet_finalize if finalize else None,
+            finalize=self._rlfleet_finalize if options.finalize else None,
             transforms=transforms,
             mode="staged",
             device=self.device,
@@ -110,40 +117,21 @@ class VllmSync:
         store_host: str,
         layout: Layout,
         workers: int,
-        timeout_s: float = 300.0,
-        backend: str = "nccl",
-        rename_prefix: tuple[str, str] | None = None,
-        finalize: bool = True,
+        options: JoinOptions | None = None,
     ) -> VllmSync:
-        """Form the group (the trainer is member 0) while every worker joins it.
-
-        `rename_prefix` maps the trainer's names onto the checkpoint names vLLM's
-        ``load_weights`` reads (e.g. ``("module.", "")``); `finalize` runs vLLM's
-        ``process_weights_after_loading`` after each version.
-        """
+        """Form the group (the trainer is member 0) while every worker joins it."""
+        options = options if options is not None else JoinOptions()
         size = 1 + workers
+        args = (store_host, int(store.port), layout.to_json().decode(), size, options)
         with ThreadPoolExecutor(1) as pool:
-            joining = pool.submit(
-                llm.collective_rpc,
-                "rlfleet_join",
-                timeout=timeout_s,
-                args=(
-                    store_host,
-                    int(store.port),
-                    layout.to_json().decode(),
-                    size,
-                    timeout_s,
-                    backend,
-                    rename_prefix,
-                    finalize,
-                ),
-            )
-            group = MemberGroup.create(store, GROUP_PREFIX, 0, size, timeout_s, backend)
-            digests = joining.result(timeout=timeout_s)
+            joining = pool.submit(llm.collective_rpc, "rlfleet_join", timeout=options.timeout_s, args=args)
+            group = MemberGroup.create(store, GROUP_PREFIX, 0, size, options.timeout_s, options.backend)
+            digests = joining.result(timeout=options.timeout_s)
         if set(digests) != {layout.digest}:
             raise RuntimeError(f"vLLM workers built other layouts: {sorted(set(digests))}")
-        device = "cuda" if backend == "nccl" else "cpu"
-        return cls(llm, BroadcastSender(layout, group, 0, device=device), workers, timeout_s)
+        device = "cuda" if options.backend == "nccl" else "cpu"
+        sender = BroadcastSender(layout, group, 0, device=device)
+        return cls(llm, sender, workers, options.timeout_s)
 
     def push(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Send `version`; returns once every worker loaded it (raises, all on the old one, if not)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -23,7 +23,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "integrations"))
 
 from sglang_refit import push_distributed, sglang_consumer
-from vllm_worker_extension import RlfleetWorkerExtension, VllmSync
+from vllm_worker_extension import JoinOptions, RlfleetWorkerExtension, VllmSync
 
 from rlfleet.weightsync import (
     LLAMA_STACKED_PARAMS,
@@ -124,13 +124,7 @@ class StandInLLM:
     def __init__(self, workers: list[StandInWorker]) -> None:
         self.workers = workers
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
+    def collective_rpc(self, method: Any, timeout: Any = None, args: Any = (), kwargs: Any = None) -> Any:
         assert isinstance(method, str)
         results: list[Any] = [None] * len(self.workers)
         errors: list[BaseException] = []
@@ -162,10 +156,12 @@ def test_vllm_worker_extension_loads_every_version_into_every_worker() -> None:
         "127.0.0.1",
         layout,
         workers=2,
-        timeout_s=60.0,
-        backend="gloo",
-        rename_prefix=("module.", ""),  # FSDP-style trainer names -> checkpoint names
-        finalize=False,  # vLLM's process_weights_after_loading is not here
+        options=JoinOptions(
+            timeout_s=60.0,
+            backend="gloo",
+            rename_prefix=("module.", ""),  # FSDP-style trainer names -> checkpoint names
+            finalize=False,  # vLLM's process_weights_after_loading is not here
+        ),
     )
     for version in (1, 2):
         session.push({f"module.{n}": t for n, t in checkpoint(version).items()}, version)
