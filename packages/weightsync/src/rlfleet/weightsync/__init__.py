@@ -26,14 +26,17 @@ from rlfleet.weightsync._errors import (
     IncompleteSyncError,
     LayoutMismatchError,
     MetadataError,
+    PartialLoadError,
     PeerLostError,
     SyncAbortedError,
     SyncTimeoutError,
     VersionError,
     WeightSyncError,
 )
+from rlfleet.weightsync._feed import feed, full_tensors, layout_entries
 from rlfleet.weightsync._integrity import bucket_checksum, checksum, compare_fingerprints, fingerprint
 from rlfleet.weightsync._layout import ALIGNMENT, DEFAULT_BUCKET_BYTES, BucketSpec, Layout, TensorSpec
+from rlfleet.weightsync._load_weights import LoadWeights, LoadWeightsConsumer
 from rlfleet.weightsync._member import MemberGroup
 from rlfleet.weightsync._nccl import NcclReceiver, NcclSender, NcclWire
 from rlfleet.weightsync._offload import (
@@ -81,6 +84,17 @@ from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
 from rlfleet.weightsync._shm import SharedSegment, cleanup_stale_segments, process_alive
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
+from rlfleet.weightsync._transforms import (
+    LLAMA_STACKED_PARAMS,
+    Cast,
+    Drop,
+    Fuse,
+    Rename,
+    TransformChain,
+    WeightTransform,
+    apply_transforms,
+    plan_transforms,
+)
 from rlfleet.weightsync._wire import (
     BucketTarget,
     Control,
@@ -188,4 +202,20 @@ __all__ = [
     "pack_bucket",
     "typed_view",
     "unpack_bucket_into",
+    # load_weights receivers, transforms, feeding a consumer from a stream
+    "LLAMA_STACKED_PARAMS",
+    "Cast",
+    "Drop",
+    "Fuse",
+    "LoadWeights",
+    "LoadWeightsConsumer",
+    "PartialLoadError",
+    "Rename",
+    "TransformChain",
+    "WeightTransform",
+    "apply_transforms",
+    "feed",
+    "full_tensors",
+    "layout_entries",
+    "plan_transforms",
 ]

@@ -49,3 +49,17 @@ class PeerLostError(WeightSyncError):
 
 class VersionError(WeightSyncError):
     """A version arrived out of order (not newer than the applied one)."""
+
+
+class PartialLoadError(WeightSyncError):
+    """An engine's ``load_weights`` took part of a version that then failed: it cannot roll back.
+
+    `mode` says how the receiver fed the engine ("staged": at commit, after every bucket arrived;
+    "stream": as buckets landed). The engine holds a mix of the applied version and the failed
+    one until a complete version is loaded (resend one, or reload from a checkpoint).
+    """
+
+    def __init__(self, message: str, *, version: int, mode: str) -> None:
+        super().__init__(message)
+        self.version = version
+        self.mode = mode
