@@ -2,47 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from rlfleet.routing._base import Router, W, _Worker
-from rlfleet.routing._index import Pool
+from typing_extensions import Unpack
+
+from rlfleet.routing._index import PoolRouter
+from rlfleet.routing._worker import RouterOptions, W, _Worker
 
 
-class RoundRobinRouter(Router[W]):
+class RoundRobinRouter(PoolRouter[W]):
     """Hand requests to the candidate workers in turn (insertion order). Keys are ignored.
 
     Load-blind like the seed's per-node round-robin; workers at `max_in_flight` are skipped.
     """
 
-    def __init__(
-        self,
-        workers: Iterable[W] = (),
-        *,
-        prefer_newest_version: bool = True,
-        max_in_flight: int | None = None,
-    ) -> None:
-        self._pool: Pool[W] = Pool()
+    def __init__(self, workers: Iterable[W] = (), **options: Unpack[RouterOptions]) -> None:
         self._cursor = 0
-        super().__init__(workers, prefer_newest_version=prefer_newest_version, max_in_flight=max_in_flight)
+        super().__init__(workers, **options)
 
-    def _pick(self, key: Hashable | None) -> _Worker[W] | None:
-        best = self._best
-        if best is None:
+    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
+        lst = self._pool.lists.get(group) if group is not None else None
+        if not lst:
             return None
-        lst = self._pool.lists[best]
         n = len(lst)
         start = self._cursor % n
-        cap = self._cap
         for step in range(n):
             st = lst[(start + step) % n]
-            if cap is None or st.load < cap:
+            if limit is None or st.load < limit:
                 self._cursor = start + step + 1
                 st.load += 1
                 return st
         return None
-
-    def _index_add(self, st: _Worker[W]) -> None:
-        self._pool.add(st)
-
-    def _index_remove(self, st: _Worker[W]) -> None:
-        self._pool.remove(st)
