@@ -276,8 +276,11 @@ class Router(Generic[W], abc.ABC):
         """The whole batch under one lock round-trip, or None (nothing placed) if one does not fit."""
         with self._lock:
             picked: list[_Worker[W]] = []
+            order = self._order
+            pick_in, group, cap = self._pick_in, order[0] if order else None, self._cap
             for key in keys:
-                st = self._choose(key, self._pick_in)
+                # One version served (the usual case): no version preference to apply.
+                st = pick_in(key, group, cap) if len(order) == 1 else self._choose(key, pick_in)
                 if st is None:
                     break
                 picked.append(st)

@@ -27,8 +27,9 @@ class LoadHeap(Generic[W]):
 
     Entries are `(load, ticket, worker)`; an entry is live when it is its worker's latest
     (`worker.ticket == ticket`). Every member always has one live entry (pushed when it joins,
-    replaced when charged, pushed again when its load changes), so the first live entry on
-    top of the heap is the true minimum. Leaving the group voids the worker's ticket.
+    replaced when charged, pushed again when its load goes down), at most as loaded as its
+    worker, so the first live entry on top of the heap, pushed again if its load is out of
+    date, is the true minimum. Leaving the group voids the worker's ticket.
     """
 
     __slots__ = ("heaps", "members")
@@ -61,9 +62,9 @@ class LoadHeap(Generic[W]):
         if len(heap) > self.limit(st.group):
             self.compact(st.group)
 
-    def pop_min(self, group: int, limit: int | None) -> _Worker[W] | None:
+    def pop_min(self, group: int | None, limit: int | None) -> _Worker[W] | None:
         """Charge one request to the least-loaded member of `group` (None: none under `limit`)."""
-        heap = self.heaps.get(group)
+        heap = None if group is None else self.heaps.get(group)
         if heap is None:
             return None
         top = _live_top(heap)
@@ -92,12 +93,22 @@ class LoadHeap(Generic[W]):
 
 
 def _live_top(heap: list[tuple[int, int, _Worker[W]]]) -> tuple[int, int, _Worker[W]] | None:
-    """The heap's first live entry, dropping stale ones above it."""
+    """The heap's first live entry, dropping stale ones above it.
+
+    An entry may be live with a load below its worker's (a router charged the worker without
+    going through the heap, as PrefixAwareRouter does for a cache hit): it is pushed again at
+    the true load. Loads only go down through `reindex`, so no entry sits below where it belongs.
+    """
     while heap:
         top = heap[0]
-        if top[2].ticket == top[1]:
-            return top
-        heappop(heap)
+        st = top[2]
+        if st.ticket == top[1]:
+            if st.load == top[0]:
+                return top
+            st.ticket = ticket = next_ticket()
+            heapreplace(heap, (st.load, ticket, st))
+        else:
+            heappop(heap)
     return None  # only for an empty group
 
 

@@ -45,4 +45,4 @@ class LeastLoadRouter(HeapRouter[W]):
     """
 
     def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
-        return None if group is None else self._heap.pop_min(group, limit)
+        return self._heap.pop_min(group, limit)  # group None (any): not asked, LeastLoad is not sticky

@@ -8,7 +8,7 @@ from typing import Any
 from typing_extensions import Unpack
 
 from rlfleet.routing._index import HeapRouter
-from rlfleet.routing._prefix_tree import Block, Holdings, PrefixTree, Prompt, cut
+from rlfleet.routing._prefix_tree import Block, Cutter, Holdings, PrefixTree, Prompt
 from rlfleet.routing._worker import RouterOptions, W, _Worker, next_ticket
 
 # A block held by more workers than this is a common prefix (a shared system prompt): it says
@@ -50,14 +50,14 @@ class PrefixAwareRouter(HeapRouter[W]):
         max_blocks: int = 4096,
         **options: Unpack[RouterOptions],
     ) -> None:
-        self._text_block = 64 if block_size is None else _positive("block_size", block_size)
-        self._token_block = 16 if block_size is None else self._text_block
+        text_block = 64 if block_size is None else _positive("block_size", block_size)
+        self._cut = Cutter(text_block, 16 if block_size is None else text_block)
         self._tree: PrefixTree[W] = PrefixTree(_positive("max_blocks", max_blocks))
         super().__init__(workers, **options)
 
     # ------------------------------------------------------------------ hooks
     def _prepare(self, key: Any) -> Prompt | None:
-        return None if key is None else cut(key, self._text_block, self._token_block)
+        return None if key is None else self._cut(key)
 
     def _member_add(self, st: _Worker[W]) -> None:
         st.slot = Holdings()
@@ -72,26 +72,26 @@ class PrefixAwareRouter(HeapRouter[W]):
         prompt: Prompt | None = key
         path = self._tree.walk(prompt.chunks) if prompt is not None else []
         bound = self._bound(group)
-        st = self._best_holder(path, group, bound if limit is None or bound < limit else limit)
+        st, held_to = self._best_holder(path, group, bound if limit is None or bound < limit else limit)
         if st is not None:
-            st.load += 1
-            self._heap.reindex(st)
+            st.load += 1  # its heap entry is now below its load: the heap pushes it again when met
         elif group is not None:
             st = self._heap.pop_min(group, limit)
         if st is None:
             return None
         st.picked = next_ticket()
         if prompt is not None:
-            self._tree.insert(st, prompt.chunks, path)
+            self._tree.insert(st, prompt.chunks, path, held_to)
         return st
 
-    def _best_holder(self, path: list[Block], group: int | None, limit: int) -> _Worker[W] | None:
-        """The least-loaded eligible holder of the deepest block of `path` that has one."""
+    def _best_holder(self, path: list[Block], group: int | None, limit: int) -> tuple[_Worker[W] | None, int]:
+        """The least-loaded eligible holder of the deepest block of `path` that has one, and how
+        many blocks of `path` it holds (-1: none found)."""
         seen = -1
-        for block in reversed(path):
-            holders = block.holders
+        for depth in range(len(path), 0, -1):
+            holders = path[depth - 1].holders
             if len(holders) > _SCAN_LIMIT:
-                return None
+                break
             if len(holders) == seen:  # the same workers as the block below (prefix-closed)
                 continue
             seen = len(holders)
@@ -105,8 +105,8 @@ class PrefixAwareRouter(HeapRouter[W]):
                 ):
                     best = st
             if best is not None:
-                return best
-        return None
+                return best, depth
+        return None, -1
 
     # ------------------------------------------------------------------ inspection
     def match(self, prompt: Any) -> dict[W, int]:
@@ -141,4 +141,4 @@ class PrefixAwareRouter(HeapRouter[W]):
     @property
     def block_size(self) -> tuple[int, int]:
         """`(text block in characters or bytes, token block in token ids)`."""
-        return self._text_block, self._token_block
+        return self._cut.text_block, self._cut.token_block
