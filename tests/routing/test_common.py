@@ -383,3 +383,18 @@ def test_infinite_and_malformed_timeouts_are_refused_clearly(make_router: MakeRo
         with pytest.raises(TypeError, match="number of seconds"):
             call("5")
     assert r.in_flight == 0
+
+
+def test_accessors_are_properties_and_loads_call_still_works(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b"], max_in_flight=3, load_factor=1.5)
+    r.select()
+    assert (r.workers, r.in_flight, r.max_in_flight, r.load_factor) == (["a", "b"], 1, 3, 1.5)
+    assert sum(r.loads.values()) == 1
+    with pytest.warns(DeprecationWarning, match="property"):
+        assert r.loads() == r.loads  # the old method form, kept one release
+    with pytest.raises(TypeError, match="unknown router option"):
+        make_router(["a"], prefer_newest=True)
+    with pytest.raises(ValueError, match="prefer_newest_version"):
+        make_router(["a"], prefer_newest_version="newest")
+    with pytest.raises(ValueError, match="load_factor"):
+        make_router(["a"], load_factor=0.9)

@@ -66,7 +66,7 @@ class Cutter:
     The slices of the first `_CUTS` blocks are made once, so cutting runs in C (`map`).
     """
 
-    _CUTS = 4096
+    _CUTS = 1024
 
     __slots__ = ("text_block", "text_cuts", "token_block", "token_cuts")
 
