@@ -7,7 +7,7 @@ draining workers and weight versions for rolling updates. Stdlib only (plus typi
 """
 
 from rlfleet.routing.__about__ import __version__
-from rlfleet.routing._base import Loads, Router
+from rlfleet.routing._base import Router
 from rlfleet.routing._consistent_hash import ConsistentHashRouter, stable_hash
 from rlfleet.routing._errors import (
     DrainTimeoutError,
@@ -31,7 +31,7 @@ from rlfleet.routing._power_of_two import PowerOfTwoRouter
 from rlfleet.routing._prefix_aware import PrefixAwareRouter
 from rlfleet.routing._request import Request
 from rlfleet.routing._round_robin import RoundRobinRouter
-from rlfleet.routing._worker import RouterOptions, VersionPreference
+from rlfleet.routing._worker import Loads, RouterOptions, VersionPreference
 
 __all__ = [
     "ROLLOUT_MODES",

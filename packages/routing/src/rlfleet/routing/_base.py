@@ -11,7 +11,6 @@ from __future__ import annotations
 import abc
 import math
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Generic, cast
@@ -28,6 +27,7 @@ from rlfleet.routing._errors import (
 from rlfleet.routing._request import Request
 from rlfleet.routing._waiting import Waiters
 from rlfleet.routing._worker import (
+    Loads,
     RouterOptions,
     VersionPreference,
     W,
@@ -38,17 +38,6 @@ from rlfleet.routing._worker import (
 )
 
 PickIn = Callable[[Any, int | None, int | None], _Worker[W] | None]
-
-
-class Loads(dict[W, int]):
-    """Requests in flight per worker, one consistent snapshot.
-
-    `loads` used to be a method: calling the snapshot still returns it, with a warning.
-    """
-
-    def __call__(self) -> Loads[W]:
-        warnings.warn("Router.loads is a property: write router.loads", DeprecationWarning, stacklevel=2)
-        return self
 
 
 class Router(Generic[W], abc.ABC):

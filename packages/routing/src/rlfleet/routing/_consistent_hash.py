@@ -76,8 +76,7 @@ class ConsistentHashRouter(PoolRouter[W]):
 
     def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
         if key is None:
-            lst = self._pool.lists.get(group) if group is not None else None
-            st = least_loaded(lst, limit) if lst else None
+            st = least_loaded(self._members(group), limit)
         else:
             bound = self._bound(group)
             st = self._walk(key, group, bound if limit is None or bound < limit else limit)

@@ -175,3 +175,7 @@ class PoolRouter(Router[W]):
 
     def _index_remove(self, st: _Worker[W]) -> None:
         self._pool.remove(st)
+
+    def _members(self, group: int | None) -> list[_Worker[W]]:
+        """The selectable workers of `group` in insertion order (none for None: not sticky)."""
+        return [] if group is None else self._pool.lists.get(group, [])

@@ -26,11 +26,11 @@ class PowerOfTwoRouter(PoolRouter[W]):
         super().__init__(workers, **options)
 
     def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
-        lst = self._pool.lists.get(group) if group is not None else None
-        if not lst:
-            return None
+        lst = self._members(group)
         n = len(lst)
-        if n == 1:
+        if n <= 1:
+            if not n:
+                return None
             st = lst[0]
         else:
             rand = self._rng.randrange

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-from typing_extensions import Unpack
-
 from rlfleet.routing._index import PoolRouter
-from rlfleet.routing._worker import RouterOptions, W, _Worker
+from rlfleet.routing._worker import W, _Worker
 
 
 class RoundRobinRouter(PoolRouter[W]):
@@ -17,15 +14,13 @@ class RoundRobinRouter(PoolRouter[W]):
     Load-blind like the seed's per-node round-robin; workers at `max_in_flight` are skipped.
     """
 
-    def __init__(self, workers: Iterable[W] = (), **options: Unpack[RouterOptions]) -> None:
-        self._cursor = 0
-        super().__init__(workers, **options)
+    _cursor = 0  # the next turn (an instance attribute once a request was placed)
 
     def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
-        lst = self._pool.lists.get(group) if group is not None else None
-        if not lst:
-            return None
+        lst = self._members(group)
         n = len(lst)
+        if not n:
+            return None
         start = self._cursor % n
         for step in range(n):
             st = lst[(start + step) % n]

@@ -6,6 +6,7 @@ import itertools
 import math
 import numbers
 import time
+import warnings
 from collections.abc import Hashable
 from typing import Any, Generic, Literal, TypeVar
 
@@ -65,6 +66,17 @@ class _Worker(Generic[W]):
         self.ticket = -1  # its live entry in a LoadHeap (-1: none)
         self.picked = -1  # when it was last picked: ties go to the one picked longest ago
         self.slot: Any = None  # subclass-private (NodeAffinityRouter: the node; prefix: its blocks)
+
+
+class Loads(dict[W, int]):
+    """Requests in flight per worker, one consistent snapshot.
+
+    `loads` used to be a method: calling the snapshot still returns it, with a warning.
+    """
+
+    def __call__(self) -> Loads[W]:
+        warnings.warn("Router.loads is a property: write router.loads", DeprecationWarning, stacklevel=2)
+        return self
 
 
 def check_version(version: object) -> int:
