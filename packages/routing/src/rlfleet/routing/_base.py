@@ -108,14 +108,6 @@ class Router(Generic[W], abc.ABC):
         """Lock(s) that freeze every worker's state: structural changes and snapshots."""
         return self._lock
 
-    def _lock_of(self, st: _Worker[W]) -> AbstractContextManager[Any]:
-        """The lock guarding `st.load`."""
-        return self._lock
-
-    def _count(self, st: _Worker[W], delta: int) -> None:
-        """Requests in flight went up or down by `delta` on `st` (under `_lock_of(st)`)."""
-        self._total += delta
-
     def _in_flight_now(self) -> int:
         return self._total
 
@@ -157,7 +149,12 @@ class Router(Generic[W], abc.ABC):
         lock = self._lock
         lock.acquire()  # acquire/release: cheaper than `with` on the hot path
         try:
-            st = self._choose(key, self._pick_in)
+            order = self._order  # one version served (the usual case): no preference to apply
+            st = (
+                self._pick_in(key, order[0], self._cap)
+                if len(order) == 1
+                else self._choose(key, self._pick_in)
+            )
             if st is None:
                 return None
             self._total += 1
@@ -216,20 +213,28 @@ class Router(Generic[W], abc.ABC):
 
     def release(self, worker: W) -> None:
         """A request on `worker` finished. Works on draining and on removed workers too."""
-        st = self._states.get(worker)
-        if st is None:
-            raise UnknownWorkerError(f"release({worker!r}): worker is not known to this router")
-        with self._lock_of(st):
-            if st.load <= 0:
-                raise NotInFlightError(f"release({worker!r}): worker has no request in flight")
-            st.load -= 1
-            self._count(st, -1)
-            if st.selectable:
-                self._on_release(st)
-            elif not st.active and st.load == 0 and self._states.get(worker) is st:
-                del self._states[worker]
+        lock = self._lock
+        lock.acquire()
+        try:
+            st = self._states.get(worker)
+            self._count_down(worker, st)
+            self._total -= 1
+        finally:
+            lock.release()
         if self._wait.count:
             self._wait.wake()
+
+    def _count_down(self, worker: W, st: _Worker[W] | None) -> None:
+        """One request fewer on `worker` (state `st`), under the lock guarding its load."""
+        if st is None:
+            raise UnknownWorkerError(f"release({worker!r}): worker is not known to this router")
+        if st.load <= 0:
+            raise NotInFlightError(f"release({worker!r}): worker has no request in flight")
+        st.load -= 1
+        if st.selectable:
+            self._on_release(st)
+        elif not st.active and st.load == 0 and self._states.get(worker) is st:
+            del self._states[worker]
 
     def assign(self, keys: Iterable[Any] | int, *, timeout: float | None = None) -> list[W]:
         """Select a worker for each key (an int n means n requests without keys).
@@ -264,15 +269,7 @@ class Router(Generic[W], abc.ABC):
     def _try_assign(self, keys: list[Any]) -> list[W] | None:
         """The whole batch under one lock round-trip, or None (nothing placed) if one does not fit."""
         with self._lock:
-            picked: list[_Worker[W]] = []
-            order = self._order
-            pick_in, group, cap = self._pick_in, order[0] if order else None, self._cap
-            for key in keys:
-                # One version served (the usual case): no version preference to apply.
-                st = pick_in(key, group, cap) if len(order) == 1 else self._choose(key, pick_in)
-                if st is None:
-                    break
-                picked.append(st)
+            picked = self._pick_batch(keys)
             if len(picked) == len(keys):
                 self._total += len(picked)
                 return [st.key for st in picked]
@@ -280,6 +277,16 @@ class Router(Generic[W], abc.ABC):
                 st.load -= 1
                 self._on_release(st)
             return None
+
+    def _pick_batch(self, keys: list[Any]) -> list[_Worker[W]]:
+        """A worker for each key in turn, under the lock; stops at the first that does not fit."""
+        picked: list[_Worker[W]] = []
+        for key in keys:
+            st = self._choose(key, self._pick_in)
+            if st is None:
+                break
+            picked.append(st)
+        return picked
 
     # ------------------------------------------------------------------ membership
     def _get(self, worker: W, what: str) -> _Worker[W]:

@@ -59,7 +59,7 @@ class LoadHeap(Generic[W]):
         heap = self.heaps[st.group]
         st.ticket = ticket = next_ticket()
         heappush(heap, (st.load, ticket, st))
-        if len(heap) > self.limit(st.group):
+        if len(heap) > 2 * len(self.members[st.group]) + _SLACK:
             self.compact(st.group)
 
     def pop_min(self, group: int | None, limit: int | None) -> _Worker[W] | None:
@@ -68,23 +68,25 @@ class LoadHeap(Generic[W]):
         if heap is None:
             return None
         top = _live_top(heap)
-        if top is None or (limit is not None and top[0] >= limit):
-            return None
-        load, _, st = top
-        st.load = load + 1
-        st.ticket = ticket = next_ticket()
-        heapreplace(heap, (load + 1, ticket, st))
-        return st
+        return None if top is None or (limit is not None and top[0] >= limit) else _charge(heap, top)
+
+    def pop_many(self, group: int | None, limit: int | None, count: int) -> list[_Worker[W]]:
+        """Charge `count` requests one by one to the least-loaded members of `group`; stops early
+        (a shorter list) when every member is at `limit`."""
+        heap = None if group is None else self.heaps.get(group)
+        out: list[_Worker[W]] = []
+        while heap is not None and len(out) < count:
+            top = _live_top(heap)
+            if top is None or (limit is not None and top[0] >= limit):
+                break
+            out.append(_charge(heap, top))
+        return out
 
     def peek_min(self, group: int) -> tuple[int, int] | None:
         """`(load, ticket)` of the least-loaded member of `group`, without charging it."""
         heap = self.heaps.get(group)
         top = None if heap is None else _live_top(heap)
         return None if top is None else (top[0], top[1])
-
-    def limit(self, group: int) -> int:
-        """Heap length above which `group`'s heap is rebuilt without stale entries."""
-        return 2 * len(self.members[group]) + _SLACK
 
     def compact(self, group: int) -> None:
         heap = self.heaps[group]
@@ -110,6 +112,15 @@ def _live_top(heap: list[tuple[int, int, _Worker[W]]]) -> tuple[int, int, _Worke
         else:
             heappop(heap)
     return None  # only for an empty group
+
+
+def _charge(heap: list[tuple[int, int, _Worker[W]]], top: tuple[int, int, _Worker[W]]) -> _Worker[W]:
+    """One more request on the worker of `top`, the heap's live minimum."""
+    load, _, st = top
+    st.load = load + 1
+    st.ticket = ticket = next_ticket()
+    heapreplace(heap, (load + 1, ticket, st))
+    return st
 
 
 def _index_of(st: _Worker[W]) -> int:

@@ -184,11 +184,17 @@ class NodeAffinityRouter(Router[W]):
     def _exclusive(self) -> Any:
         return self._all_nodes_locked()
 
-    def _lock_of(self, st: _Worker[W]) -> Any:
-        return st.slot.lock
-
-    def _count(self, st: _Worker[W], delta: int) -> None:
-        st.slot.total += delta
+    def release(self, worker: W) -> None:
+        st = self._states.get(worker)
+        if st is None:
+            self._count_down(worker, st)  # raises: unknown
+        assert st is not None
+        node: _Node = st.slot
+        with node.lock:  # only this worker's node: releases on other nodes never wait
+            self._count_down(worker, st)
+            node.total -= 1
+        if self._wait.count:
+            self._wait.wake()
 
     def _in_flight_now(self) -> int:
         return sum(n.total for n in list(self._nodes.values()))
