@@ -182,7 +182,8 @@ def hit_rate(
     else:
         router: Router[int]
         if policy == "prefix_aware":
-            router = PrefixAwareRouter(names, max_blocks=cache_pages * PAGE // 64)
+            text_block = PrefixAwareRouter().block_size[0]  # the same cache size, in its blocks
+            router = PrefixAwareRouter(names, max_blocks=cache_pages * PAGE // text_block)
             select = lambda t, k: router.select(t.prompt)  # noqa: E731
         elif policy == "consistent_hash":
             router = ConsistentHashRouter(names)

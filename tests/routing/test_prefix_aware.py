@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rlfleet.routing import NoWorkerAvailableError, PrefixAwareRouter
 from rlfleet.routing._prefix_tree import Block
 
-SYSTEM = "You are a helpful assistant. " * 10  # 290 characters: 4 blocks of 64
+SYSTEM = "You are a helpful assistant. " * 10  # 290 characters: 2 blocks of 128
 
 
 def words(seed: int, chars: int) -> str:
@@ -40,7 +40,8 @@ def test_a_session_stays_where_its_prefix_is_cached() -> None:
     for t in range(2, 8):  # every turn extends the conversation: it keeps its worker
         history += words(t, 300)
         assert turn(r, history) == home
-    assert r.match(history) == {home: len(history) // 64 * 64}
+    block = r.block_size[0]
+    assert r.match(history) == {home: len(history) // block * block}
     # New sessions share only the system prompt: its holder takes them while under the load
     # bound, then they spread.
     assert turn(r, SYSTEM + words(99, 500)) == home
@@ -80,12 +81,12 @@ def test_an_overloaded_holder_spills_to_the_least_loaded() -> None:
 
 def test_token_ids_bytes_and_short_prompts() -> None:
     r = PrefixAwareRouter(["a", "b"])
-    assert r.block_size == (64, 16)
-    tokens = list(range(1000, 1100))  # 6 blocks of 16 token ids
+    assert r.block_size == (128, 32)
+    tokens = list(range(1000, 1100))  # 3 blocks of 32 token ids
     home = turn(r, tokens)
     assert turn(r, (*tokens, 7, 8, 9)) == home
     assert r.match(tokens) == {home: 96}
-    assert turn(r, b"x" * 200) in {"a", "b"}
+    assert turn(r, b"x" * 300) in {"a", "b"}
     assert turn(r, "short") in {"a", "b"}  # under one block: least-load, nothing cached
     assert r.match("short") == {}
     assert turn(r, None) in {"a", "b"}
@@ -97,9 +98,10 @@ def test_a_new_version_or_leaving_forgets_the_workers_cache() -> None:
     r = PrefixAwareRouter(["a", "b"], prefer_newest_version=False)
     prompt = SYSTEM + words(3, 600)
     home = turn(r, prompt)
-    assert r.cached_blocks[home] == len(prompt) // 64
+    block = r.block_size[0]
+    assert r.cached_blocks[home] == len(prompt) // block
     r.set_draining(home, True)  # draining keeps the cache: the worker still holds it
-    assert r.match(prompt) == {home: len(prompt) // 64 * 64}
+    assert r.match(prompt) == {home: len(prompt) // block * block}
     r.set_draining(home, False)
     r.set_version(home, 1)  # new weights: its KV cache is gone
     assert r.cached_blocks[home] == 0
@@ -190,7 +192,7 @@ def test_tree_invariants_hold_under_any_sequence(ops: list[tuple[str, int, str]]
 def test_memory_stays_bounded_by_max_blocks() -> None:
     """Issue 18: bounded memory with LRU eviction, whatever the number of distinct prompts."""
     workers, max_blocks = 8, 64
-    sessions = [SYSTEM + words(i, 1200) for i in range(200)]  # 23 blocks each
+    sessions = [SYSTEM + words(i, 1200) for i in range(200)]  # 11 blocks each
     fresh = [SYSTEM + words(10**6 + i, 1200) for i in range(6000)]
     gc.collect()
     tracemalloc.start()
@@ -209,7 +211,7 @@ def test_memory_stays_bounded_by_max_blocks() -> None:
         tracemalloc.stop()
     _check_tree(r)
     assert r.tree_blocks <= workers * max_blocks
-    # 138,000 blocks routed; what the router keeps is its bounded tree: no growth after the
+    # 66,000 blocks routed; what the router keeps is its bounded tree: no growth after the
     # first thousand prompts filled it, and under 2 KiB per block it may hold (plus the
     # router's fixed tables).
     assert max(held) <= workers * max_blocks * 2048 + 256 * 1024, held

@@ -27,7 +27,7 @@ class PrefixAwareRouter(HeapRouter[W]):
 
     Keys are prompts: a `str` (or `bytes`) or a sequence of token ids. The router keeps an
     approximate radix tree of the prompts each worker was sent, in blocks of `block_size`
-    items (default 64 characters of text, 16 token ids), at most `max_blocks` blocks per
+    items (default 128 characters of text or bytes, 32 token ids), at most `max_blocks` blocks per
     worker (least recently used evicted first), so memory stays bounded. A prompt goes to the
     holder of its longest cached prefix that is under the load bound
     (`ceil(load_factor * (in_flight + 1) / candidates)`), the least loaded such holder first;
@@ -50,8 +50,8 @@ class PrefixAwareRouter(HeapRouter[W]):
         max_blocks: int = 4096,
         **options: Unpack[RouterOptions],
     ) -> None:
-        text_block = 64 if block_size is None else _positive("block_size", block_size)
-        self._cut = Cutter(text_block, 16 if block_size is None else text_block)
+        text_block = 128 if block_size is None else _positive("block_size", block_size)
+        self._cut = Cutter(text_block, 32 if block_size is None else text_block)
         self._tree: PrefixTree[W] = PrefixTree(_positive("max_blocks", max_blocks))
         super().__init__(workers, **options)
 
