@@ -130,6 +130,23 @@ def test_default_version_preference_fills_the_newest_up_to_the_bound(make_router
 
 
 @pytest.mark.parametrize("prefer", [True, "strict"])
+def test_a_worker_far_behind_serves_only_when_no_recent_one_can(
+    make_router: MakeRouter, prefer: bool | str
+) -> None:
+    """A restarted worker still at its initial weights must not take overflow by default."""
+    r = make_router(["a", "b"], max_in_flight=4, prefer_newest_version=prefer)
+    assert r.version_lag == 1
+    r.set_version("a", 5)
+    r.set_version("b", 5)
+    r.add_worker("c", version=0)
+    got = [r.select(f"env-{i}") for i in range(8)]
+    assert sorted(got) == ["a"] * 4 + ["b"] * 4
+    assert r.select("env-9") == "c"  # every recent worker full: an old one rather than a pause
+    r.add_worker("d", version=4)  # one version behind: within the lag
+    assert r.select("env-10") == "d"
+
+
+@pytest.mark.parametrize("prefer", [True, "strict"])
 def test_newest_version_at_max_in_flight_falls_back_to_older_workers(
     make_router: MakeRouter, prefer: bool | str
 ) -> None:
@@ -398,3 +415,5 @@ def test_accessors_are_properties_and_loads_call_still_works(make_router: MakeRo
         make_router(["a"], prefer_newest_version="newest")
     with pytest.raises(ValueError, match="load_factor"):
         make_router(["a"], load_factor=0.9)
+    with pytest.raises(ValueError, match="version_lag"):
+        make_router(["a"], version_lag=-1)

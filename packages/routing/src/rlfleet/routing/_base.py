@@ -28,11 +28,11 @@ from rlfleet.routing._request import Request
 from rlfleet.routing._waiting import Waiters
 from rlfleet.routing._worker import (
     Loads,
+    Options,
     RouterOptions,
     VersionPreference,
     W,
     _Worker,
-    check_options,
     check_version,
     deadline,
 )
@@ -48,21 +48,24 @@ class Router(Generic[W], abc.ABC):
     `max_in_flight` caps the requests one worker may hold.
 
     `prefer_newest_version` decides how weight versions steer requests during a rolling update:
-    - True (default): the newest version first, but only up to the load bound
-      (`load_factor` times the mean load), older versions take the rest; on a sticky router
-      (consistent-hash, prefix-aware) a keyed request keeps its worker whatever version it
-      serves, until that worker is drained for its own update. No pile-up on the first
-      updated worker; a session may run on the old version for up to one rolling update.
-    - "strict": only the newest version while one of its workers can take the request (older
-      ones when all of the newest are at `max_in_flight`): least staleness, but the first
-      updated worker takes every request and every session moves to it.
+    - True (default): the newest version first, but only up to the load bound (`load_factor`
+      times the mean load); workers at most `version_lag` (1) versions behind take the rest. On
+      a sticky router (consistent-hash, prefix-aware, node-affinity) a keyed request keeps its
+      worker while that worker is that recent, until it is drained for its own update. No
+      pile-up on the first updated worker; a session may run one version behind for up to one
+      rolling update.
+    - "strict": only the newest version while one of its workers can take the request: least
+      staleness, but the first updated worker takes every request and every session moves to it.
     - False: versions are ignored.
+    Older workers (further behind, or every older one with "strict") take requests only when
+    no newer one can (all at `max_in_flight`): a full newest version never pauses requests.
     """
 
-    _sticky = False  # keyed requests keep their own worker whatever its version (True above)
+    _sticky = False  # keyed requests keep their own worker whatever its (recent) version
 
     def __init__(self, workers: Iterable[W] = (), **options: Unpack[RouterOptions]) -> None:
-        self._prefer, self._cap, self._c = check_options(options)
+        opts = Options(options)
+        self._prefer, self._cap, self._c, self._lag = opts.prefer, opts.cap, opts.factor, opts.lag
         self._lock = threading.Lock()  # membership; also guards loads in single-lock routers
         self._wait = Waiters()
         self._states: dict[W, _Worker[W]] = {}
@@ -70,7 +73,9 @@ class Router(Generic[W], abc.ABC):
         self._total = 0
         self._group_counts: dict[int, int] = {}  # selectable workers per candidate group
         self._order: list[int] = []  # candidate groups, newest first
-        self._selectable = 0
+        self._recent = 0  # how many groups of _order are within version_lag of the newest
+        self._floor = 0  # the oldest group among them
+        self._recent_count = 0  # selectable workers in them
         for worker in workers:
             self.add_worker(worker)
 
@@ -113,8 +118,9 @@ class Router(Generic[W], abc.ABC):
 
     # ------------------------------------------------------------------ the version preference
     def _bound(self, group: int | None, extra: int = 1) -> int:
-        """Requests one worker may hold by preference once `extra` more are placed."""
-        n = self._selectable if group is None else self._group_counts.get(group, 0)
+        """Requests one worker of `group` (None: of the recent groups) may hold by preference
+        once `extra` more are placed."""
+        n = self._recent_count if group is None else self._group_counts.get(group, 0)
         return math.ceil(self._c * (self._in_flight_now() + extra) / n) if n else 0
 
     def _choose(self, key: Any, pick_in: PickIn[W]) -> _Worker[W] | None:
@@ -131,15 +137,16 @@ class Router(Generic[W], abc.ABC):
                 if st is not None:
                     return st
             return None
-        limit = self._bound(None)  # the least-loaded candidate is always under it
+        limit = self._bound(None)  # the least-loaded recent worker is always under it
         if cap is not None and cap < limit:
             limit = cap
         if self._sticky and key is not None:
             st = pick_in(key, None, limit)
             if st is not None:
                 return st
-        for group in order:
-            st = pick_in(key, group, limit)
+        recent = self._recent
+        for i, group in enumerate(order):
+            st = pick_in(key, group, limit if i < recent else cap)
             if st is not None:
                 return st
         return None
@@ -299,13 +306,11 @@ class Router(Generic[W], abc.ABC):
         st.group = st.version if self._prefer else 0
         st.selectable = True
         self._group_counts[st.group] = self._group_counts.get(st.group, 0) + 1
-        self._selectable += 1
         self._index_add(st)
 
     def _make_unselectable(self, st: _Worker[W]) -> None:
         self._index_remove(st)
         st.selectable = False
-        self._selectable -= 1
         left = self._group_counts[st.group] - 1
         if left:
             self._group_counts[st.group] = left
@@ -313,7 +318,12 @@ class Router(Generic[W], abc.ABC):
             del self._group_counts[st.group]
 
     def _refresh_order(self) -> None:
-        self._order = sorted(self._group_counts, reverse=True)
+        order = sorted(self._group_counts, reverse=True)
+        recent = [g for g in order if g >= order[0] - self._lag] if order else []
+        self._floor = recent[-1] if recent else 0
+        self._recent_count = sum(self._group_counts[g] for g in recent)
+        self._recent = len(recent)
+        self._order = order  # last: lock-free readers see a consistent order
 
     def add_worker(self, worker: W, *, node: Any = None, version: int = 0) -> None:
         """Add a worker (selectable at once) on `node` at weight `version`."""
@@ -424,6 +434,10 @@ class Router(Generic[W], abc.ABC):
     @property
     def max_in_flight(self) -> int | None:
         return self._cap
+
+    @property
+    def version_lag(self) -> int:
+        return self._lag
 
     @property
     def load_factor(self) -> float:

@@ -86,15 +86,20 @@ class ConsistentHashRouter(PoolRouter[W]):
         return st
 
     def _walk(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
-        """First worker of `group` (None: any) clockwise from `key` holding fewer than `limit`."""
+        """First worker of `group` (None: any recent one) clockwise from `key` under `limit`."""
         if self._dirty:
             self._rebuild()
         ring = self._ring_workers
         n = len(ring)
         start = bisect.bisect_left(self._ring_hashes, _key_hash(str(key)))
+        floor = self._floor
         for step in range(n):
             st = ring[(start + step) % n]
-            if st.selectable and (group is None or st.group == group) and (limit is None or st.load < limit):
+            if (
+                st.selectable
+                and (st.group >= floor if group is None else st.group == group)
+                and (limit is None or st.load < limit)
+            ):
                 return st
         return None
 

@@ -231,12 +231,12 @@ class NodeAffinityRouter(Router[W]):
         return None  # per-node locks: no single lock covers a batch
 
     def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
-        """On the key's node: `group`, or every group newest first (None); then, for a group,
-        the least-loaded worker of any node."""
+        """On the key's node: `group`, or every recent group newest first (None); then, for a
+        group, the least-loaded worker of any node."""
         node = None if key is None else self._nodes.get(self._resolve(key))
         if node is not None:
             with node.lock:
-                for g in self._order if group is None else (group,):
+                for g in self._order[: self._recent] if group is None else (group,):
                     st: _Worker[W] | None = node.heap.pop_min(g, limit)
                     if st is not None:
                         node.total += 1

@@ -88,6 +88,7 @@ class PrefixAwareRouter(HeapRouter[W]):
         """The least-loaded eligible holder of the deepest block of `path` that has one, and how
         many blocks of `path` it holds (-1: none found)."""
         seen = -1
+        floor = self._floor
         for depth in range(len(path), 0, -1):
             holders = path[depth - 1].holders
             if len(holders) > _SCAN_LIMIT:
@@ -100,7 +101,7 @@ class PrefixAwareRouter(HeapRouter[W]):
                 if (
                     st.selectable
                     and st.load < limit
-                    and (group is None or st.group == group)
+                    and (st.group >= floor if group is None else st.group == group)
                     and (best is None or (st.load, st.picked) < (best.load, best.picked))
                 ):
                     best = st

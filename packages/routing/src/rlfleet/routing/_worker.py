@@ -33,6 +33,7 @@ class RouterOptions(TypedDict, total=False):
     prefer_newest_version: VersionPreference
     max_in_flight: int | None
     load_factor: float
+    version_lag: int
 
 
 class _Worker(Generic[W]):
@@ -85,21 +86,31 @@ def check_version(version: object) -> int:
     return version
 
 
-def check_options(options: RouterOptions) -> tuple[VersionPreference, int | None, float]:
-    """`(prefer_newest_version, max_in_flight, load_factor)` from `options`, validated."""
-    unknown = set(options) - set(RouterOptions.__annotations__)
-    if unknown:
-        raise TypeError(f"unknown router option(s): {', '.join(sorted(unknown))}")
-    prefer = options.get("prefer_newest_version", True)
-    if prefer not in (True, False, "strict") or not isinstance(prefer, (bool, str)):
-        raise ValueError(f"prefer_newest_version must be True, False or 'strict', got {prefer!r}")
-    cap = options.get("max_in_flight")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ValueError(f"max_in_flight must be a positive int or None, got {cap!r}")
-    factor = options.get("load_factor", 1.25)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
-        raise ValueError(f"load_factor must be a finite number >= 1, got {factor!r}")
-    return prefer, cap, float(factor)
+class Options:
+    """`RouterOptions`, validated, with their defaults."""
+
+    __slots__ = ("cap", "factor", "lag", "prefer")
+
+    def __init__(self, options: RouterOptions) -> None:
+        unknown = set(options) - set(RouterOptions.__annotations__)
+        if unknown:
+            raise TypeError(f"unknown router option(s): {', '.join(sorted(unknown))}")
+        prefer = options.get("prefer_newest_version", True)
+        if not isinstance(prefer, (bool, str)) or prefer not in (True, False, "strict"):
+            raise ValueError(f"prefer_newest_version must be True, False or 'strict', got {prefer!r}")
+        cap = options.get("max_in_flight")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_in_flight must be a positive int or None, got {cap!r}")
+        factor = options.get("load_factor", 1.25)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
+            raise ValueError(f"load_factor must be a finite number >= 1, got {factor!r}")
+        lag = options.get("version_lag", 1)
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+            raise ValueError(f"version_lag must be an int >= 0, got {lag!r}")
+        self.prefer: VersionPreference = prefer
+        self.cap: int | None = cap
+        self.factor = float(factor)
+        self.lag = lag
 
 
 def deadline(timeout: object, what: str) -> float | None:
