@@ -25,6 +25,7 @@ from rlfleet.routing._errors import (
     UnknownWorkerError,
 )
 from rlfleet.routing._request import Request
+from rlfleet.routing._versions import VersionGroups
 from rlfleet.routing._waiting import Waiters
 from rlfleet.routing._worker import (
     Loads,
@@ -71,11 +72,7 @@ class Router(Generic[W], abc.ABC):
         self._states: dict[W, _Worker[W]] = {}
         self._next_index = 0
         self._total = 0
-        self._group_counts: dict[int, int] = {}  # selectable workers per candidate group
-        self._order: list[int] = []  # candidate groups, newest first
-        self._recent = 0  # how many groups of _order are within version_lag of the newest
-        self._floor = 0  # the oldest group among them
-        self._recent_count = 0  # selectable workers in them
+        self._groups = VersionGroups(bool(self._prefer), self._lag)
         for worker in workers:
             self.add_worker(worker)
 
@@ -120,12 +117,12 @@ class Router(Generic[W], abc.ABC):
     def _bound(self, group: int | None, extra: int = 1) -> int:
         """Requests one worker of `group` (None: of the recent groups) may hold by preference
         once `extra` more are placed."""
-        n = self._recent_count if group is None else self._group_counts.get(group, 0)
+        n = self._groups.size(group)
         return math.ceil(self._c * (self._in_flight_now() + extra) / n) if n else 0
 
     def _choose(self, key: Any, pick_in: PickIn[W]) -> _Worker[W] | None:
         """Apply `prefer_newest_version` over the candidate groups with `pick_in`."""
-        order = self._order
+        order = self._groups.order
         cap = self._cap
         if len(order) == 1:
             return pick_in(key, order[0], cap)
@@ -144,7 +141,7 @@ class Router(Generic[W], abc.ABC):
             st = pick_in(key, None, limit)
             if st is not None:
                 return st
-        recent = self._recent
+        recent = self._groups.recent
         for i, group in enumerate(order):
             st = pick_in(key, group, limit if i < recent else cap)
             if st is not None:
@@ -156,7 +153,7 @@ class Router(Generic[W], abc.ABC):
         lock = self._lock
         lock.acquire()  # acquire/release: cheaper than `with` on the hot path
         try:
-            order = self._order  # one version served (the usual case): no preference to apply
+            order = self._groups.order  # one version served (the usual case): no preference to apply
             st = (
                 self._pick_in(key, order[0], self._cap)
                 if len(order) == 1
@@ -303,27 +300,14 @@ class Router(Generic[W], abc.ABC):
         return st
 
     def _make_selectable(self, st: _Worker[W]) -> None:
-        st.group = st.version if self._prefer else 0
+        st.group = self._groups.join(st.version)
         st.selectable = True
-        self._group_counts[st.group] = self._group_counts.get(st.group, 0) + 1
         self._index_add(st)
 
     def _make_unselectable(self, st: _Worker[W]) -> None:
         self._index_remove(st)
         st.selectable = False
-        left = self._group_counts[st.group] - 1
-        if left:
-            self._group_counts[st.group] = left
-        else:
-            del self._group_counts[st.group]
-
-    def _refresh_order(self) -> None:
-        order = sorted(self._group_counts, reverse=True)
-        recent = [g for g in order if g >= order[0] - self._lag] if order else []
-        self._floor = recent[-1] if recent else 0
-        self._recent_count = sum(self._group_counts[g] for g in recent)
-        self._recent = len(recent)
-        self._order = order  # last: lock-free readers see a consistent order
+        self._groups.leave(st.group)
 
     def add_worker(self, worker: W, *, node: Any = None, version: int = 0) -> None:
         """Add a worker (selectable at once) on `node` at weight `version`."""
@@ -342,7 +326,7 @@ class Router(Generic[W], abc.ABC):
             self._member_add(st)
             self._states[worker] = st
             self._make_selectable(st)
-            self._refresh_order()
+            self._groups.refresh()
         self._wait.wake()
 
     def remove_worker(self, worker: W) -> None:
@@ -355,7 +339,7 @@ class Router(Generic[W], abc.ABC):
             st.active = False
             if st.load == 0:
                 del self._states[worker]
-            self._refresh_order()
+            self._groups.refresh()
         self._wait.wake()  # the newest version may have gone: older workers may be candidates now
 
     def set_draining(self, worker: W, flag: bool = True) -> None:
@@ -369,7 +353,7 @@ class Router(Generic[W], abc.ABC):
                     self._make_unselectable(st)
                 else:
                     self._make_selectable(st)
-                self._refresh_order()
+                self._groups.refresh()
         self._wait.wake()
 
     def set_version(self, worker: W, version: int) -> None:
@@ -385,7 +369,7 @@ class Router(Generic[W], abc.ABC):
                 self._version_changed(st)
                 if selectable:
                     self._make_selectable(st)
-                self._refresh_order()
+                self._groups.refresh()
         self._wait.wake()
 
     # ------------------------------------------------------------------ inspection
@@ -407,7 +391,8 @@ class Router(Generic[W], abc.ABC):
         """Most requests one worker may hold by preference (a sticky key, the newest version)
         after `extra` more are placed: `ceil(load_factor * (in_flight + extra) / candidates)`."""
         with self._exclusive():
-            return self._bound(self._order[0] if self._prefer == "strict" and self._order else None, extra)
+            order = self._groups.order
+            return self._bound(order[0] if self._prefer == "strict" and order else None, extra)
 
     @property
     def workers(self) -> list[W]:
@@ -502,6 +487,6 @@ class Router(Generic[W], abc.ABC):
             if self._cap is not None:
                 full = sum(1 for st in active if not st.draining and st.load >= self._cap)
                 parts.append(f"{full} at max_in_flight={self._cap}")
-            if self._prefer and self._order:
-                parts.append(f"versions {', '.join(map(str, self._order))}")
+            if self._prefer and self._groups.order:
+                parts.append(f"versions {', '.join(map(str, self._groups.order))}")
             return ", ".join(parts)

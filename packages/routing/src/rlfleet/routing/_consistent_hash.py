@@ -92,7 +92,7 @@ class ConsistentHashRouter(PoolRouter[W]):
         ring = self._ring_workers
         n = len(ring)
         start = bisect.bisect_left(self._ring_hashes, _key_hash(str(key)))
-        floor = self._floor
+        floor = self._groups.floor
         for step in range(n):
             st = ring[(start + step) % n]
             if (
@@ -106,8 +106,9 @@ class ConsistentHashRouter(PoolRouter[W]):
     def owner(self, key: Any) -> W | None:
         """The worker `key` maps to ignoring loads (its home on the ring), without selecting it."""
         with self._lock:
-            if not self._order:
+            order = self._groups.order
+            if not order:
                 return None
-            group = self._order[0] if self._prefer == "strict" else None
+            group = order[0] if self._prefer == "strict" else None
             st = self._walk(key, group, None)
             return None if st is None else st.key

@@ -48,7 +48,7 @@ class LeastLoadRouter(HeapRouter[W]):
         return self._heap.pop_min(group, limit)  # group None (any): not asked, LeastLoad is not sticky
 
     def _pick_batch(self, keys: list[Any]) -> list[_Worker[W]]:
-        order = self._order
+        order = self._groups.order
         if len(order) == 1:  # one version served: the whole batch in one heap walk
             return self._heap.pop_many(order[0], self._cap, len(keys))
         return super()._pick_batch(keys)

@@ -236,7 +236,7 @@ class NodeAffinityRouter(Router[W]):
         node = None if key is None else self._nodes.get(self._resolve(key))
         if node is not None:
             with node.lock:
-                for g in self._order[: self._recent] if group is None else (group,):
+                for g in self._groups.order[: self._groups.recent] if group is None else (group,):
                     st: _Worker[W] | None = node.heap.pop_min(g, limit)
                     if st is not None:
                         node.total += 1

@@ -88,7 +88,7 @@ class PrefixAwareRouter(HeapRouter[W]):
         """The least-loaded eligible holder of the deepest block of `path` that has one, and how
         many blocks of `path` it holds (-1: none found)."""
         seen = -1
-        floor = self._floor
+        floor = self._groups.floor
         for depth in range(len(path), 0, -1):
             holders = path[depth - 1].holders
             if len(holders) > _SCAN_LIMIT:
