@@ -79,7 +79,7 @@ class Router(Generic[W], abc.ABC):
     # ------------------------------------------------------------------ subclass hooks
     @abc.abstractmethod
     def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
-        """Choose a worker of `group` (None: any group, the key's own worker) holding fewer than
+        """Choose a worker of `group` (None: any recent group, the key's own worker) holding fewer than
         `limit` requests, add one to its load and return it; None if there is none."""
 
     @abc.abstractmethod

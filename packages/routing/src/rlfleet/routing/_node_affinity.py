@@ -117,7 +117,7 @@ class NodeAffinityRouter(Router[W]):
     `key_to_node` (a mapping or a callable) names the node of a key (an env id); each worker
     is added on a node (`worker_nodes`, or `add_worker(..., node=...)`). A key whose node has
     no candidate, an unknown key and `None` fall back to the least-loaded candidate of any
-    node. With `prefer_newest_version=True` a key stays on its node whatever versions its
+    node. With `prefer_newest_version=True` a key stays on its node whatever recent versions its
     workers serve (newest first among them); with "strict" the newest version comes first.
     Each node has its own lock, so requests for different nodes never contend; only
     membership changes take every lock.

@@ -36,8 +36,9 @@ class PrefixAwareRouter(HeapRouter[W]):
     when it serves a new version (new weights invalidate its cache) or leaves.
 
     Versions and draining as in `Router`: with `prefer_newest_version=True` a cached prefix
-    beats the version (a multi-turn session stays on its worker until that worker is updated);
-    with "strict" only holders at the newest version count.
+    beats the version among workers within `version_lag` of the newest (a multi-turn session
+    stays on its worker until that worker is updated); with "strict" only holders at the newest
+    version count.
     """
 
     _sticky = True
