@@ -10,6 +10,7 @@ from rlfleet.routing import (
     LeastLoadRouter,
     NodeAffinityRouter,
     PowerOfTwoRouter,
+    PrefixAwareRouter,
     RoundRobinRouter,
     Router,
     parse_env_index,
@@ -34,4 +35,5 @@ ROUTER_FACTORIES: dict[str, MakeRouter] = {
     "power_of_two": PowerOfTwoRouter,
     "consistent_hash": ConsistentHashRouter,
     "node_affinity": _node_affinity,
+    "prefix_aware": PrefixAwareRouter,
 }

@@ -22,15 +22,15 @@ KEYS = [None, "env-0", "env-1", "env-7", "session-42"]
 def test_select_counts_in_flight_and_release_counts_down(make_router: MakeRouter) -> None:
     r = make_router(["a", "b", "c"])
     assert r.workers == ["a", "b", "c"]
-    assert r.loads() == {"a": 0, "b": 0, "c": 0}
+    assert r.loads == {"a": 0, "b": 0, "c": 0}
     picked = [r.select(k) for k in KEYS]
     assert all(w in {"a", "b", "c"} for w in picked)
     assert r.in_flight == len(KEYS)
-    assert sum(r.loads().values()) == len(KEYS)
+    assert sum(r.loads.values()) == len(KEYS)
     for w in picked:
         r.release(w)
     assert r.in_flight == 0
-    assert r.loads() == {"a": 0, "b": 0, "c": 0}
+    assert r.loads == {"a": 0, "b": 0, "c": 0}
 
 
 def test_assign_counts_each_request(make_router: MakeRouter) -> None:
@@ -53,7 +53,7 @@ def test_assign_is_all_or_nothing(make_router: MakeRouter) -> None:
     with pytest.raises(NoWorkerAvailableError):
         r.assign(3)
     assert r.in_flight == 0
-    assert r.loads() == {"a": 0, "b": 0}
+    assert r.loads == {"a": 0, "b": 0}
     assert sorted(r.assign(2)) == ["a", "b"]
 
 
@@ -79,16 +79,16 @@ def test_draining_worker_is_never_selected(make_router: MakeRouter) -> None:
     # Releases on a draining worker still count down.
     for w in held:
         r.release(w)
-    assert r.loads() == {"a": 0, "b": 0, "c": 0}
+    assert r.loads == {"a": 0, "b": 0, "c": 0}
     r.set_draining("b", False)
     r.set_draining("a", True)
     r.set_draining("c", True)
     assert {r.select(k) for k in KEYS} == {"b"}
 
 
-def test_prefer_newest_version_routes_to_updated_workers(make_router: MakeRouter) -> None:
-    r = make_router(["a", "b", "c", "d"])
-    assert r.prefer_newest_version
+def test_strict_version_preference_routes_to_updated_workers(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b", "c", "d"], prefer_newest_version="strict")
+    assert r.prefer_newest_version == "strict"
     r.set_version("c", 1)
     r.set_version("d", 1)
     assert r.version("c") == 1
@@ -109,6 +109,60 @@ def test_prefer_newest_version_routes_to_updated_workers(make_router: MakeRouter
     assert {r.select(k) for k in KEYS} == {"e"}
 
 
+def test_default_version_preference_fills_the_newest_up_to_the_bound(make_router: MakeRouter) -> None:
+    """No pile-up: updated workers take requests up to the load bound, older ones the rest."""
+    r = make_router(["a", "b", "c", "d"])
+    assert r.prefer_newest_version is True
+    r.set_version("c", 1)
+    r.set_version("d", 1)
+    for _ in range(8):
+        r.select()  # keyless: the version decides
+        loads = r.loads
+        assert max(loads["c"], loads["d"]) <= r.bound(0)
+    loads = r.loads
+    assert min(loads["c"], loads["d"]) >= max(loads["a"], loads["b"])
+    assert loads["a"] + loads["b"] > 0
+    # With nothing in flight the newest version takes a keyless request.
+    for w, n in loads.items():
+        for _ in range(n):
+            r.release(w)
+    assert r.select() in {"c", "d"}
+
+
+@pytest.mark.parametrize("prefer", [True, "strict"])
+def test_a_worker_far_behind_serves_only_when_no_recent_one_can(
+    make_router: MakeRouter, prefer: bool | str
+) -> None:
+    """A restarted worker still at its initial weights must not take overflow by default."""
+    r = make_router(["a", "b"], max_in_flight=4, prefer_newest_version=prefer)
+    assert r.version_lag == 1
+    r.set_version("a", 5)
+    r.set_version("b", 5)
+    r.add_worker("c", version=0)
+    got = [r.select(f"env-{i}") for i in range(8)]
+    assert sorted(got) == ["a"] * 4 + ["b"] * 4
+    assert r.select("env-9") == "c"  # every recent worker full: an old one rather than a pause
+    r.add_worker("d", version=4)  # one version behind: within the lag
+    assert r.select("env-10") == "d"
+
+
+@pytest.mark.parametrize("prefer", [True, "strict"])
+def test_newest_version_at_max_in_flight_falls_back_to_older_workers(
+    make_router: MakeRouter, prefer: bool | str
+) -> None:
+    """Issue 15 item 21: a full newest version must not pause every request."""
+    r = make_router(["a", "b", "c"], max_in_flight=1, prefer_newest_version=prefer)
+    r.set_version("a", 1)
+    got = [r.select("k"), r.select("k2"), r.select("k3")]
+    assert sorted(got) == ["a", "b", "c"]
+    if prefer == "strict":
+        assert got[0] == "a"
+    with pytest.raises(NoWorkerAvailableError, match="3 at max_in_flight=1"):
+        r.select("k4")
+    r.release("b")
+    assert r.select("k5", timeout=5) == "b"
+
+
 def test_prefer_newest_version_off_uses_every_version(make_router: MakeRouter) -> None:
     r = make_router(["a", "b"], prefer_newest_version=False)
     r.set_version("b", 5)
@@ -126,7 +180,7 @@ def test_rolling_update_drain_wait_swap_undrain(make_router: MakeRouter) -> None
             r.release(h)
             held.remove(h)
         r.wait_drained(w, timeout=5)
-        assert r.loads()[w] == 0
+        assert r.loads[w] == 0
         r.set_version(w, 1)
         r.set_draining(w, False)
         got = r.select()
@@ -155,7 +209,7 @@ def test_wait_drained_blocks_until_last_release(make_router: MakeRouter) -> None
     t.start()
     releaser_may_go.set()
     r.wait_drained("a", timeout=20)
-    assert r.loads()["a"] == 0
+    assert r.loads["a"] == 0
     t.join()
 
 
@@ -194,7 +248,7 @@ def test_select_with_timeout_waits_for_a_release(make_router: MakeRouter) -> Non
     r.release("a")
     t.join(25)
     assert got == ["a"]
-    assert r.loads() == {"a": 1}
+    assert r.loads == {"a": 1}
 
 
 @pytest.mark.timeout(30)
@@ -237,7 +291,7 @@ def test_release_errors_and_counts_never_go_negative(make_router: MakeRouter) ->
     r.release(w)
     with pytest.raises(NotInFlightError):
         r.release(w)
-    assert min(r.loads().values()) == 0
+    assert min(r.loads.values()) == 0
     assert r.in_flight == 0
     # The error classes are RoutingErrors and the matching builtins.
     assert issubclass(UnknownWorkerError, LookupError)
@@ -278,7 +332,7 @@ def test_removed_worker_keeps_counting_down_then_disappears(make_router: MakeRou
     r.remove_worker("a")
     assert r.workers == ["b"]
     assert "a" not in r
-    assert r.loads()["a"] == n_a  # still counted until released
+    assert r.loads["a"] == n_a  # still counted until released
     assert r.in_flight == 4
     for key in KEYS * 5:
         w = r.select(key)
@@ -288,7 +342,7 @@ def test_removed_worker_keeps_counting_down_then_disappears(make_router: MakeRou
         r.add_worker("a")
     for w in held:
         r.release(w)
-    assert r.loads() == {"b": 0}
+    assert r.loads == {"b": 0}
     with pytest.raises(UnknownWorkerError):
         r.release("a")
     r.add_worker("a")  # back, at the end of the insertion order
@@ -315,3 +369,51 @@ def test_max_in_flight_caps_each_worker(make_router: MakeRouter) -> None:
         r.select()
     r.release("b")
     assert r.select("env-5") == "b"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seconds", [1e10, 1e300])
+def test_very_long_timeouts_wait_like_any_other(make_router: MakeRouter, seconds: float) -> None:
+    """Issue 15 item 14: a timeout past the OS limit is waited out, not a raw OverflowError."""
+    r = make_router(["a"], max_in_flight=1)
+    r.select("env-0")
+    threading.Timer(0.2, r.release, args=("a",)).start()  # after the call below starts waiting
+    assert r.select("env-1", timeout=seconds) == "a"
+    threading.Timer(0.2, r.release, args=("a",)).start()
+    r.set_draining("a", True)
+    r.wait_drained("a", timeout=seconds)
+    assert r.in_flight == 0
+    assert r.assign(0, timeout=seconds) == []
+
+
+def test_infinite_and_malformed_timeouts_are_refused_clearly(make_router: MakeRouter) -> None:
+    r = make_router(["a"])
+    for call in (
+        lambda t: r.select(timeout=t),
+        lambda t: r.assign(1, timeout=t),
+        lambda t: r.wait_drained("a", timeout=t),
+    ):
+        with pytest.raises(ValueError, match="finite number of seconds, got inf"):
+            call(float("inf"))
+        with pytest.raises(ValueError, match="got nan"):
+            call(float("nan"))
+        with pytest.raises(TypeError, match="number of seconds"):
+            call("5")
+    assert r.in_flight == 0
+
+
+def test_accessors_are_properties_and_loads_call_still_works(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b"], max_in_flight=3, load_factor=1.5)
+    r.select()
+    assert (r.workers, r.in_flight, r.max_in_flight, r.load_factor) == (["a", "b"], 1, 3, 1.5)
+    assert sum(r.loads.values()) == 1
+    with pytest.warns(DeprecationWarning, match="property"):
+        assert r.loads() == r.loads  # the old method form, kept one release
+    with pytest.raises(TypeError, match="unknown router option"):
+        make_router(["a"], prefer_newest=True)
+    with pytest.raises(ValueError, match="prefer_newest_version"):
+        make_router(["a"], prefer_newest_version="newest")
+    with pytest.raises(ValueError, match="load_factor"):
+        make_router(["a"], load_factor=0.9)
+    with pytest.raises(ValueError, match="version_lag"):
+        make_router(["a"], version_lag=-1)

@@ -113,10 +113,10 @@ def test_bounded_load_holds_at_every_placement(n: int, c: float, ops: list[tuple
             w = r.select(key)
             held.append(w)
             total = r.in_flight
-            assert r.loads()[w] <= math.ceil(c * total / n)
+            assert r.loads[w] <= math.ceil(c * total / n)
         else:
             r.release(held.pop(pick % len(held)))
-    assert sum(r.loads().values()) == len(held)
+    assert sum(r.loads.values()) == len(held)
 
 
 def test_a_hot_key_spills_to_the_next_worker_then_comes_back() -> None:
@@ -125,7 +125,7 @@ def test_a_hot_key_spills_to_the_next_worker_then_comes_back() -> None:
     out = r.assign(["hot"] * 40)
     assert out[0] == home
     assert len(set(out)) == 4  # bounded load spread the hot key
-    assert max(r.loads().values()) <= math.ceil(1.25 * 40 / 4)
+    assert max(r.loads.values()) <= math.ceil(1.25 * 40 / 4)
     for w in out:
         r.release(w)
     assert r.select("hot") == home

@@ -121,21 +121,32 @@ def test_mapping_key_to_node_and_callable_worker_nodes() -> None:
         NodeAffinityRouter(key_to_node=42)  # type: ignore[arg-type]
 
 
-def test_prefer_newest_version_applies_across_nodes() -> None:
-    r = NodeAffinityRouter(
-        ["a0", "b0"], key_to_node={"ka": "A", "kb": "B"}, worker_nodes={"a0": "A", "b0": "B"}
-    )
-    r.set_version("b0", 1)
-    # Node A holds only the old version: its keys go to the updated worker.
-    assert r.select("ka") == "b0"
-    r2 = NodeAffinityRouter(
-        ["a0", "b0"],
-        key_to_node={"ka": "A", "kb": "B"},
-        worker_nodes={"a0": "A", "b0": "B"},
-        prefer_newest_version=False,
-    )
-    r2.set_version("b0", 1)
-    assert r2.select("ka") == "a0"
+def test_version_preference_and_node_affinity() -> None:
+    def router(prefer: bool | str) -> NodeAffinityRouter[str]:
+        r = NodeAffinityRouter(
+            ["a0", "a1", "b0"],
+            key_to_node={"ka": "A", "kb": "B"},
+            worker_nodes={"a0": "A", "a1": "A", "b0": "B"},
+            prefer_newest_version=prefer,  # type: ignore[arg-type]
+        )
+        r.set_version("b0", 1)
+        r.set_version("a1", 1)
+        return r
+
+    # strict: the newest version first, on the key's node when it has one.
+    strict = router("strict")
+    assert strict.assign(["ka", "ka", "kb"]) == ["a1", "a1", "b0"]
+    strict.set_version("a1", 0)
+    assert strict.select("ka") == "b0"  # node A holds only the old version now
+    # default: a key stays on its node, newest first there, up to the load bound.
+    sticky = router(True)
+    assert sticky.select("ka") == "a1"
+    sticky.set_version("a1", 0)
+    assert sticky.select("ka") in {"a0", "a1"}
+    assert sticky.select("kb") == "b0"
+    # off: least-loaded on the node, versions ignored.
+    off = router(False)
+    assert sorted(off.assign(["ka", "ka"])) == ["a0", "a1"]
 
 
 @pytest.mark.timeout(30)

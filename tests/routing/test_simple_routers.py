@@ -50,20 +50,20 @@ def test_power_of_two_with_two_workers_always_takes_the_less_loaded(
     held: list[str] = []
     for is_select, pick in ops:
         if is_select or not held:
-            before = r.loads()
+            before = r.loads
             w = r.select()
             other = "b" if w == "a" else "a"
             assert before[w] <= before[other]
             held.append(w)
         else:
             r.release(held.pop(pick % len(held)))
-    assert sum(r.loads().values()) == len(held)
+    assert sum(r.loads.values()) == len(held)
 
 
 def test_power_of_two_balances_better_than_the_worst_case() -> None:
     r = PowerOfTwoRouter(range(64), seed=0)
     r.assign(64 * 20)
-    loads = r.loads().values()
+    loads = r.loads.values()
     # Two choices keep the maximum within ~log log n of the mean (deterministic under the seed).
     assert max(loads) <= 20 + 3
 

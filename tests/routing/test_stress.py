@@ -18,7 +18,7 @@ KEYS = [None, *(f"env-{i}" for i in range(64))]
 
 
 def _check(r: Router[Any], held: list[list[Any]], errors: list[str]) -> None:
-    loads = r.loads()
+    loads = r.loads
     expected = sum(len(h) for h in held)
     if sum(loads.values()) != expected or r.in_flight != expected:
         errors.append(f"sum(loads)={sum(loads.values())} in_flight={r.in_flight} expected={expected}")
@@ -44,7 +44,7 @@ def test_counts_stay_exact_under_threads(make_router: MakeRouter) -> None:
 
     def monitor() -> None:
         while not monitor_stop.is_set():
-            if min(r.loads().values(), default=0) < 0:
+            if min(r.loads.values(), default=0) < 0:
                 errors.append("negative load seen by the monitor")
 
     def worker(tid: int) -> None:
@@ -80,7 +80,7 @@ def test_counts_stay_exact_under_threads(make_router: MakeRouter) -> None:
     assert not any(t.is_alive() for t in threads)
     assert errors == []
     assert r.in_flight == 0
-    assert set(r.loads().values()) == {0}
+    assert set(r.loads.values()) == {0}
 
 
 @pytest.mark.timeout(120)
@@ -136,5 +136,5 @@ def test_membership_changes_while_threads_route(make_router: MakeRouter) -> None
     assert not any(t.is_alive() for t in threads)
     assert errors == []
     assert r.in_flight == 0
-    assert all(v == 0 for v in r.loads().values())
-    assert set(r.loads()) == set(r.workers)  # removed workers are gone once drained
+    assert all(v == 0 for v in r.loads.values())
+    assert set(r.loads) == set(r.workers)  # removed workers are gone once drained

@@ -1,8 +1,9 @@
-"""rlfleet.routing: which rollout (eval) worker serves a request.
+"""rlfleet.routing: which rollout worker serves a request.
 
-Routers over opaque hashable worker keys, thread-safe, counting requests in flight locally:
-least-load, round-robin, power-of-two, node-affinity and consistent-hash (bounded load), all
-aware of draining workers and weight versions for rolling updates. Stdlib only.
+Routers over opaque hashable worker keys, thread-safe and asyncio-friendly, counting requests in
+flight locally: least-load, round-robin, power-of-two, node-affinity, consistent-hash (bounded
+load) and prefix-aware (an approximate radix tree of what each worker caches), all aware of
+draining workers and weight versions for rolling updates. Stdlib only (plus typing-extensions).
 """
 
 from rlfleet.routing.__about__ import __version__
@@ -27,24 +28,32 @@ from rlfleet.routing._node_affinity import (
     worker_nodes_from_distribution,
 )
 from rlfleet.routing._power_of_two import PowerOfTwoRouter
+from rlfleet.routing._prefix_aware import PrefixAwareRouter
+from rlfleet.routing._request import Request
 from rlfleet.routing._round_robin import RoundRobinRouter
+from rlfleet.routing._worker import Loads, RouterOptions, VersionPreference
 
 __all__ = [
+    "ROLLOUT_MODES",
+    "ROUTER_TYPES",
     "ConsistentHashRouter",
     "DrainTimeoutError",
     "DuplicateWorkerError",
     "EnvAffinity",
     "LeastLoadRouter",
+    "Loads",
     "NoWorkerAvailableError",
     "NodeAffinityRouter",
     "NotInFlightError",
     "PowerOfTwoRouter",
-    "ROLLOUT_MODES",
-    "ROUTER_TYPES",
+    "PrefixAwareRouter",
+    "Request",
     "RoundRobinRouter",
     "Router",
+    "RouterOptions",
     "RoutingError",
     "UnknownWorkerError",
+    "VersionPreference",
     "__version__",
     "create_router",
     "env_affinity",

@@ -1,19 +1,21 @@
-"""The router base class: worker bookkeeping, draining, versions, waiting.
+"""The router base class: worker bookkeeping, draining, versions, waiting (threads and asyncio).
 
-A subclass only decides *which* selectable worker takes a request (`_pick`) and keeps its own
-index of candidates in step through the `_index_add` / `_index_remove` / `_on_release` hooks.
-Everything else (in-flight counts, draining, weight versions, timeouts, errors) lives here
-so every router behaves the same way at its edges.
+A subclass only decides *which* worker of a candidate group takes a request (`_pick_in`) and
+keeps its own index of candidates in step through the `_index_add` / `_index_remove` /
+`_on_release` hooks. Everything else (in-flight counts, draining, the version preference,
+timeouts, errors) lives here so every router behaves the same way at its edges.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 import threading
-import time
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, cast
+
+from typing_extensions import Unpack
 
 from rlfleet.routing._errors import (
     DrainTimeoutError,
@@ -22,94 +24,63 @@ from rlfleet.routing._errors import (
     NoWorkerAvailableError,
     UnknownWorkerError,
 )
+from rlfleet.routing._request import Request
+from rlfleet.routing._versions import VersionGroups
+from rlfleet.routing._waiting import Waiters
+from rlfleet.routing._worker import (
+    Loads,
+    Options,
+    RouterOptions,
+    VersionPreference,
+    W,
+    _Worker,
+    check_version,
+    deadline,
+)
 
-W = TypeVar("W", bound=Hashable)
-
-
-class _Worker(Generic[W]):
-    """One worker's state. Guarded by the router's lock (by its node's lock in NodeAffinityRouter)."""
-
-    __slots__ = (
-        "active",
-        "draining",
-        "group",
-        "index",
-        "key",
-        "load",
-        "node",
-        "selectable",
-        "slot",
-        "version",
-    )
-
-    def __init__(self, key: W, index: int, node: Hashable | None, version: int) -> None:
-        self.key = key
-        self.index = index  # insertion order: the deterministic tie-break
-        self.node = node
-        self.version = version
-        self.load = 0  # requests in flight
-        self.draining = False
-        self.active = True  # False once removed (kept only while requests are still in flight)
-        self.selectable = False  # active and not draining: in the subclass's index
-        self.group = 0  # candidate group: the version when preferring the newest, else 0
-        self.slot: Any = None  # subclass-private (NodeAffinityRouter: the node record)
-
-
-def _check_version(version: object) -> int:
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise TypeError(f"version must be an int, got {version!r}")
-    return version
-
-
-def _deadline(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if timeout != timeout:  # NaN
-        raise ValueError("timeout must be a number of seconds, got nan")
-    return time.monotonic() + max(0.0, float(timeout))
+PickIn = Callable[[Any, int | None, int | None], _Worker[W] | None]
 
 
 class Router(Generic[W], abc.ABC):
     """Routes requests to workers (opaque hashable keys) and counts requests in flight.
 
-    `select` picks a worker and counts the request as in flight until `release`. A draining
-    worker is never picked; with `prefer_newest_version` only workers at the newest weight
-    version among the selectable ones are candidates, so a rolling update moves traffic to
-    updated workers wave by wave without a global pause. `max_in_flight` caps the requests
-    one worker may hold (a worker at the cap is not selectable until a release).
+    `select` picks a worker and counts the request as in flight until `release` (or use
+    `with router.request(key) as worker:` / `async with`). A draining worker is never picked.
+    `max_in_flight` caps the requests one worker may hold.
+
+    `prefer_newest_version` decides how weight versions steer requests during a rolling update:
+    - True (default): the newest version first, but only up to the load bound (`load_factor`
+      times the mean load); workers at most `version_lag` (1) versions behind take the rest. On
+      a sticky router (consistent-hash, prefix-aware, node-affinity) a keyed request keeps its
+      worker while that worker is that recent, until it is drained for its own update. No
+      pile-up on the first updated worker; a session may run one version behind for up to one
+      rolling update.
+    - "strict": only the newest version while one of its workers can take the request: least
+      staleness, but the first updated worker takes every request and every session moves to it.
+    - False: versions are ignored.
+    Older workers (further behind, or every older one with "strict") take requests only when
+    no newer one can (all at `max_in_flight`): a full newest version never pauses requests.
     """
 
-    def __init__(
-        self,
-        workers: Iterable[W] = (),
-        *,
-        prefer_newest_version: bool = True,
-        max_in_flight: int | None = None,
-    ) -> None:
-        if max_in_flight is not None and (
-            isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
-        ):
-            raise ValueError(f"max_in_flight must be a positive int or None, got {max_in_flight!r}")
-        self._prefer_newest = bool(prefer_newest_version)
-        self._cap: int | None = max_in_flight
+    _sticky = False  # keyed requests keep their own worker whatever its (recent) version
+
+    def __init__(self, workers: Iterable[W] = (), **options: Unpack[RouterOptions]) -> None:
+        opts = Options(options)
+        self._prefer, self._cap, self._c, self._lag = opts.prefer, opts.cap, opts.factor, opts.lag
         self._lock = threading.Lock()  # membership; also guards loads in single-lock routers
-        self._cond = threading.Condition(threading.Lock())  # waiters of select / wait_drained
-        self._waiters = 0
+        self._wait = Waiters()
         self._states: dict[W, _Worker[W]] = {}
         self._next_index = 0
         self._total = 0
-        self._group_counts: dict[int, int] = {}  # selectable workers per candidate group
-        self._best: int | None = None  # the candidate group (None: nothing selectable)
+        self._groups = VersionGroups(bool(self._prefer), self._lag)
         for worker in workers:
             self.add_worker(worker)
 
     # ------------------------------------------------------------------ subclass hooks
     @abc.abstractmethod
-    def _pick(self, key: Hashable | None) -> _Worker[W] | None:
-        """Choose a candidate, add one to its load and return it; None if no candidate.
-
-        Called with the router's lock held (single-lock routers only).
-        """
+    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
+        """Choose a worker of `group` (None: any recent group, the key's own worker) holding fewer than
+        `limit` requests, add one to its load and return it; None if there is none."""
 
     @abc.abstractmethod
     def _index_add(self, st: _Worker[W]) -> None:
@@ -128,16 +99,66 @@ class Router(Generic[W], abc.ABC):
     def _member_remove(self, st: _Worker[W]) -> None:
         """`st` left the router."""
 
+    def _version_changed(self, st: _Worker[W]) -> None:
+        """`st` serves a new weight version (its caches are gone)."""
+
+    def _prepare(self, key: Any) -> Any:
+        """The key as `_pick_in` wants it, computed once per request outside the lock."""
+        return key
+
     def _exclusive(self) -> AbstractContextManager[Any]:
         """Lock(s) that freeze every worker's state: structural changes and snapshots."""
         return self._lock
 
-    # ------------------------------------------------------------------ hot path
-    def _try_select(self, key: Hashable | None) -> W | None:
+    def _in_flight_now(self) -> int:
+        return self._total
+
+    # ------------------------------------------------------------------ the version preference
+    def _bound(self, group: int | None, extra: int = 1) -> int:
+        """Requests one worker of `group` (None: of the recent groups) may hold by preference
+        once `extra` more are placed."""
+        n = self._groups.size(group)
+        return math.ceil(self._c * (self._in_flight_now() + extra) / n) if n else 0
+
+    def _choose(self, key: Any, pick_in: PickIn[W]) -> _Worker[W] | None:
+        """Apply `prefer_newest_version` over the candidate groups with `pick_in`."""
+        order = self._groups.order
+        cap = self._cap
+        if len(order) == 1:
+            return pick_in(key, order[0], cap)
+        if not order:
+            return None
+        if self._prefer == "strict":
+            for group in order:
+                st = pick_in(key, group, cap)
+                if st is not None:
+                    return st
+            return None
+        limit = self._bound(None)  # the least-loaded recent worker is always under it
+        if cap is not None and cap < limit:
+            limit = cap
+        if self._sticky and key is not None:
+            st = pick_in(key, None, limit)
+            if st is not None:
+                return st
+        recent = self._groups.recent
+        for i, group in enumerate(order):
+            st = pick_in(key, group, limit if i < recent else cap)
+            if st is not None:
+                return st
+        return None
+
+    # ------------------------------------------------------------------ selecting
+    def _try_select(self, key: Any) -> W | None:
         lock = self._lock
         lock.acquire()  # acquire/release: cheaper than `with` on the hot path
         try:
-            st = self._pick(key)
+            order = self._groups.order  # one version served (the usual case): no preference to apply
+            st = (
+                self._pick_in(key, order[0], self._cap)
+                if len(order) == 1
+                else self._choose(key, self._pick_in)
+            )
             if st is None:
                 return None
             self._total += 1
@@ -145,39 +166,54 @@ class Router(Generic[W], abc.ABC):
         finally:
             lock.release()
 
-    def select(self, key: Hashable | None = None, *, timeout: float | None = None) -> W:
-        """Pick a worker for one request (keyed by session / env id if the router uses keys).
+    def select(self, key: Any = None, *, timeout: float | None = None) -> W:
+        """Pick a worker for one request (keyed by session / env id / prompt if the router uses keys).
 
         The request counts as in flight on the returned worker until `release(worker)`.
         Without `timeout` a request nobody can take raises `NoWorkerAvailableError` at once;
         with one, waits up to `timeout` seconds for a worker to become selectable.
         """
+        due = None if timeout is None else deadline(timeout, "select")
+        key = self._prepare(key)
         worker = self._try_select(key)
         if worker is not None:
             return worker
-        return self._select_slow(key, _deadline(timeout), timeout)
+        return self._select_wait(key, due, timeout)
 
-    def _select_slow(self, key: Hashable | None, deadline: float | None, timeout: float | None) -> W:
-        if deadline is None:
+    def _select_wait(self, key: Any, due: float | None, timeout: float | None) -> W:
+        if due is None:
             raise NoWorkerAvailableError(f"no worker can take a request for key {key!r}: {self._why_none()}")
-        with self._cond:
-            self._waiters += 1
-            try:
-                while True:
-                    # The waiter count is raised before this retry, so a release that happens
-                    # after it is seen here or notifies us below: no lost wake-up.
-                    worker = self._try_select(key)
-                    if worker is not None:
-                        return worker
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise NoWorkerAvailableError(
-                            f"timed out after {timeout}s waiting for a worker for key {key!r}: "
-                            f"{self._why_none()}"
-                        )
-                    self._cond.wait(remaining)
-            finally:
-                self._waiters -= 1
+        return self._wait.wait(lambda: self._try_select(key), due, lambda: self._timed_out(key, timeout))
+
+    def _timed_out(self, key: Any, timeout: float | None) -> NoWorkerAvailableError:
+        return NoWorkerAvailableError(
+            f"timed out after {timeout}s waiting for a worker for key {key!r}: {self._why_none()}"
+        )
+
+    async def select_async(self, key: Any = None, *, timeout: float | None = None) -> W:
+        """`select` for asyncio: waits without blocking the event loop.
+
+        Cancelling the waiting task leaves nothing in flight. Prefer `async with
+        router.request(key) as worker:`, which also releases when the body is cancelled.
+        """
+        due = None if timeout is None else deadline(timeout, "select_async")
+        key = self._prepare(key)
+        worker = self._try_select(key)
+        if worker is not None:
+            return worker
+        if due is None:
+            return self._select_wait(key, due, timeout)  # raises at once
+        return await self._wait.wait_async(
+            lambda: self._try_select(key), due, lambda: self._timed_out(key, timeout)
+        )
+
+    def request(self, key: Any = None, *, timeout: float | None = None) -> Request[W]:
+        """One request as a context manager: `with` / `async with router.request(key) as worker:`.
+
+        Entering selects (waiting up to `timeout`), leaving releases, however the body ends
+        (an exception, a cancelled task).
+        """
+        return Request(self, key, timeout)
 
     def release(self, worker: W) -> None:
         """A request on `worker` finished. Works on draining and on removed workers too."""
@@ -185,22 +221,26 @@ class Router(Generic[W], abc.ABC):
         lock.acquire()
         try:
             st = self._states.get(worker)
-            if st is None:
-                raise UnknownWorkerError(f"release({worker!r}): worker is not known to this router")
-            if st.load <= 0:
-                raise NotInFlightError(f"release({worker!r}): worker has no request in flight")
-            st.load -= 1
+            self._count_down(worker, st)
             self._total -= 1
-            if st.selectable:
-                self._on_release(st)
-            elif not st.active and st.load == 0:
-                del self._states[worker]
         finally:
             lock.release()
-        if self._waiters:
-            self._wake()
+        if self._wait.count:
+            self._wait.wake()
 
-    def assign(self, keys: Iterable[Hashable | None] | int, *, timeout: float | None = None) -> list[W]:
+    def _count_down(self, worker: W, st: _Worker[W] | None) -> None:
+        """One request fewer on `worker` (state `st`), under the lock guarding its load."""
+        if st is None:
+            raise UnknownWorkerError(f"release({worker!r}): worker is not known to this router")
+        if st.load <= 0:
+            raise NotInFlightError(f"release({worker!r}): worker has no request in flight")
+        st.load -= 1
+        if st.selectable:
+            self._on_release(st)
+        elif not st.active and st.load == 0 and self._states.get(worker) is st:
+            del self._states[worker]
+
+    def assign(self, keys: Iterable[Any] | int, *, timeout: float | None = None) -> list[W]:
         """Select a worker for each key (an int n means n requests without keys).
 
         All or nothing: if one request cannot be placed, those already placed are released
@@ -212,19 +252,45 @@ class Router(Generic[W], abc.ABC):
             if keys < 0:
                 raise ValueError(f"assign: number of requests must be >= 0, got {keys}")
             keys = [None] * keys
-        deadline = _deadline(timeout)
+        due = None if timeout is None else deadline(timeout, "assign")
+        prepared = [self._prepare(key) for key in keys]
+        placed = self._try_assign(prepared)
+        if placed is not None:
+            return placed
         out: list[W] = []
         try:
-            for key in keys:
+            for key in prepared:
                 worker = self._try_select(key)
                 if worker is None:
-                    worker = self._select_slow(key, deadline, timeout)
+                    worker = self._select_wait(key, due, timeout)
                 out.append(worker)
         except BaseException:
             for worker in out:
                 self.release(worker)
             raise
         return out
+
+    def _try_assign(self, keys: list[Any]) -> list[W] | None:
+        """The whole batch under one lock round-trip, or None (nothing placed) if one does not fit."""
+        with self._lock:
+            picked = self._pick_batch(keys)
+            if len(picked) == len(keys):
+                self._total += len(picked)
+                return [st.key for st in picked]
+            for st in picked:  # undo; the caller takes the general path (waits, errors)
+                st.load -= 1
+                self._on_release(st)
+            return None
+
+    def _pick_batch(self, keys: list[Any]) -> list[_Worker[W]]:
+        """A worker for each key in turn, under the lock; stops at the first that does not fit."""
+        picked: list[_Worker[W]] = []
+        for key in keys:
+            st = self._choose(key, self._pick_in)
+            if st is None:
+                break
+            picked.append(st)
+        return picked
 
     # ------------------------------------------------------------------ membership
     def _get(self, worker: W, what: str) -> _Worker[W]:
@@ -234,46 +300,34 @@ class Router(Generic[W], abc.ABC):
         return st
 
     def _make_selectable(self, st: _Worker[W]) -> None:
-        st.group = st.version if self._prefer_newest else 0
+        st.group = self._groups.join(st.version)
         st.selectable = True
-        self._group_counts[st.group] = self._group_counts.get(st.group, 0) + 1
         self._index_add(st)
 
     def _make_unselectable(self, st: _Worker[W]) -> None:
         self._index_remove(st)
         st.selectable = False
-        left = self._group_counts[st.group] - 1
-        if left:
-            self._group_counts[st.group] = left
-        else:
-            del self._group_counts[st.group]
+        self._groups.leave(st.group)
 
-    def _refresh_best(self) -> None:
-        self._best = max(self._group_counts) if self._group_counts else None
-
-    def _new_state(self, worker: W, node: Hashable | None, version: int) -> _Worker[W]:
-        old = self._states.get(worker)
-        if old is not None:
-            if old.active:
-                raise DuplicateWorkerError(f"add_worker({worker!r}): worker is already in this router")
-            raise DuplicateWorkerError(
-                f"add_worker({worker!r}): worker was removed but still has {old.load} request(s) in "
-                "flight; release them (wait_drained) before adding it again"
-            )
-        st = _Worker(worker, self._next_index, node, version)
-        self._next_index += 1
-        return st
-
-    def add_worker(self, worker: W, *, node: Hashable | None = None, version: int = 0) -> None:
+    def add_worker(self, worker: W, *, node: Any = None, version: int = 0) -> None:
         """Add a worker (selectable at once) on `node` at weight `version`."""
-        version = _check_version(version)
+        version = check_version(version)
         with self._exclusive():
-            st = self._new_state(worker, node, version)
+            old = self._states.get(worker)
+            if old is not None:
+                raise DuplicateWorkerError(
+                    f"add_worker({worker!r}): worker is already in this router"
+                    if old.active
+                    else f"add_worker({worker!r}): worker was removed but still has {old.load} "
+                    "request(s) in flight; release them (wait_drained) before adding it again"
+                )
+            st = _Worker(worker, self._next_index, node, version)
+            self._next_index += 1
             self._member_add(st)
             self._states[worker] = st
             self._make_selectable(st)
-            self._refresh_best()
-        self._wake()
+            self._groups.refresh()
+        self._wait.wake()
 
     def remove_worker(self, worker: W) -> None:
         """Stop routing to `worker`. Requests still in flight on it can still be released."""
@@ -285,8 +339,8 @@ class Router(Generic[W], abc.ABC):
             st.active = False
             if st.load == 0:
                 del self._states[worker]
-            self._refresh_best()
-        self._wake()  # the newest version may have gone: older workers may be candidates now
+            self._groups.refresh()
+        self._wait.wake()  # the newest version may have gone: older workers may be candidates now
 
     def set_draining(self, worker: W, flag: bool = True) -> None:
         """A draining worker is never selected; releases on it still count down."""
@@ -299,24 +353,26 @@ class Router(Generic[W], abc.ABC):
                     self._make_unselectable(st)
                 else:
                     self._make_selectable(st)
-                self._refresh_best()
-        self._wake()
+                self._groups.refresh()
+        self._wait.wake()
 
     def set_version(self, worker: W, version: int) -> None:
         """Record the weight version `worker` now serves."""
-        version = _check_version(version)
+        version = check_version(version)
         with self._exclusive():
             st = self._get(worker, "set_version")
             if st.version != version:
-                if st.selectable:
+                selectable = st.selectable
+                if selectable:
                     self._make_unselectable(st)
-                    st.version = version
+                st.version = version
+                self._version_changed(st)
+                if selectable:
                     self._make_selectable(st)
-                else:
-                    st.version = version
-                self._refresh_best()
-        self._wake()
+                self._groups.refresh()
+        self._wait.wake()
 
+    # ------------------------------------------------------------------ inspection
     def version(self, worker: W) -> int:
         """The weight version `worker` serves."""
         with self._lock:
@@ -326,12 +382,18 @@ class Router(Generic[W], abc.ABC):
         with self._lock:
             return self._get(worker, "is_draining").draining
 
-    def node(self, worker: W) -> Hashable | None:
+    def node(self, worker: W) -> Any:
         """The node `worker` was added on (None if not given)."""
         with self._lock:
             return self._get(worker, "node").node
 
-    # ------------------------------------------------------------------ inspection
+    def bound(self, extra: int = 1) -> int:
+        """Most requests one worker may hold by preference (a sticky key, the newest version)
+        after `extra` more are placed: `ceil(load_factor * (in_flight + extra) / candidates)`."""
+        with self._exclusive():
+            order = self._groups.order
+            return self._bound(order[0] if self._prefer == "strict" and order else None, extra)
+
     @property
     def workers(self) -> list[W]:
         """Workers routed to (draining ones included), in insertion order."""
@@ -342,20 +404,29 @@ class Router(Generic[W], abc.ABC):
     def in_flight(self) -> int:
         """Requests in flight over all workers (removed ones still counting down included)."""
         with self._exclusive():
-            return self._total
+            return self._in_flight_now()
 
     @property
-    def prefer_newest_version(self) -> bool:
-        return self._prefer_newest
+    def loads(self) -> Loads[W]:
+        """Requests in flight per worker (removed ones still counting down included)."""
+        with self._exclusive():
+            return Loads({w: st.load for w, st in self._states.items()})
+
+    @property
+    def prefer_newest_version(self) -> VersionPreference:
+        return self._prefer
 
     @property
     def max_in_flight(self) -> int | None:
         return self._cap
 
-    def loads(self) -> dict[W, int]:
-        """Requests in flight per worker, as one consistent snapshot."""
-        with self._exclusive():
-            return {w: st.load for w, st in self._states.items()}
+    @property
+    def version_lag(self) -> int:
+        return self._lag
+
+    @property
+    def load_factor(self) -> float:
+        return self._c
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -371,41 +442,40 @@ class Router(Generic[W], abc.ABC):
         return st is not None and st.active
 
     def __repr__(self) -> str:
-        n = len(self.workers)
-        return f"{type(self).__name__}(workers={n}, in_flight={self.in_flight})"
+        return f"{type(self).__name__}(workers={len(self)}, in_flight={self.in_flight})"
 
     # ------------------------------------------------------------------ waiting
-    def _wake(self) -> None:
-        if self._waiters:
-            with self._cond:
-                self._cond.notify_all()
+    def _drain_wait(self, worker: W, timeout: float, what: str) -> tuple[Callable[[], bool | None], float]:
+        st = self._states.get(worker)
+        if st is None:
+            raise UnknownWorkerError(f"{what}({worker!r}): worker is not known to this router")
+        if timeout is None:
+            raise ValueError(f"{what} needs a timeout: every blocking call has a deadline")
+        due = deadline(timeout, what)
+        assert due is not None
+        return (lambda: True if st.load == 0 else None), due
+
+    def _drain_expired(self, worker: W, timeout: float, what: str) -> DrainTimeoutError:
+        st = self._states.get(worker)
+        left = st.load if st is not None else 0
+        return DrainTimeoutError(f"{what}({worker!r}): {left} request(s) still in flight after {timeout}s")
 
     def wait_drained(self, worker: W, timeout: float) -> None:
         """Block until `worker` has no request in flight (rolling updates: drain, wait, swap).
 
         Raises `DrainTimeoutError` if requests are still in flight after `timeout` seconds.
         """
-        st = self._states.get(worker)
-        if st is None:
-            raise UnknownWorkerError(f"wait_drained({worker!r}): worker is not known to this router")
-        if timeout is None:
-            raise ValueError("wait_drained needs a timeout: every blocking call has a deadline")
-        deadline = _deadline(timeout)
-        assert deadline is not None
-        if st.load == 0:
-            return
-        with self._cond:
-            self._waiters += 1
-            try:
-                while st.load > 0:  # an int read is atomic; every release wakes us while we wait
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise DrainTimeoutError(
-                            f"wait_drained({worker!r}): {st.load} request(s) still in flight after {timeout}s"
-                        )
-                    self._cond.wait(remaining)
-            finally:
-                self._waiters -= 1
+        drained, due = self._drain_wait(worker, timeout, "wait_drained")
+        if not drained():
+            self._wait.wait(drained, due, lambda: self._drain_expired(worker, timeout, "wait_drained"))
+
+    async def wait_drained_async(self, worker: W, timeout: float) -> None:
+        """`wait_drained` for asyncio: waits without blocking the event loop."""
+        drained, due = self._drain_wait(worker, timeout, "wait_drained_async")
+        if not drained():
+            await self._wait.wait_async(
+                drained, due, lambda: self._drain_expired(worker, timeout, "wait_drained_async")
+            )
 
     def _why_none(self) -> str:
         with self._exclusive():
@@ -417,6 +487,6 @@ class Router(Generic[W], abc.ABC):
             if self._cap is not None:
                 full = sum(1 for st in active if not st.draining and st.load >= self._cap)
                 parts.append(f"{full} at max_in_flight={self._cap}")
-            if self._prefer_newest and self._best is not None:
-                parts.append(f"newest version {self._best}")
+            if self._prefer and self._groups.order:
+                parts.append(f"versions {', '.join(map(str, self._groups.order))}")
             return ", ".join(parts)

@@ -5,15 +5,25 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from rlfleet.routing._base import Router, W
+from rlfleet.routing._base import Router
 from rlfleet.routing._consistent_hash import ConsistentHashRouter
 from rlfleet.routing._least_load import LeastLoadRouter
 from rlfleet.routing._node_affinity import ComponentDistribution, NodeAffinityRouter
 from rlfleet.routing._power_of_two import PowerOfTwoRouter
+from rlfleet.routing._prefix_aware import PrefixAwareRouter
 from rlfleet.routing._round_robin import RoundRobinRouter
+from rlfleet.routing._worker import W
 
 ROLLOUT_MODES = ("sync", "async")
-ROUTER_TYPES = ("simple", "node_affinity", "round_robin", "least_load", "power_of_two", "consistent_hash")
+ROUTER_TYPES = (
+    "simple",
+    "node_affinity",
+    "round_robin",
+    "least_load",
+    "power_of_two",
+    "consistent_hash",
+    "prefix_aware",
+)
 
 _BY_NAME: dict[str, type[Router[Any]]] = {
     "simple": LeastLoadRouter,
@@ -21,6 +31,7 @@ _BY_NAME: dict[str, type[Router[Any]]] = {
     "round_robin": RoundRobinRouter,
     "power_of_two": PowerOfTwoRouter,
     "consistent_hash": ConsistentHashRouter,
+    "prefix_aware": PrefixAwareRouter,
 }
 
 

@@ -1,12 +1,22 @@
-"""Candidate indexes shared by the routers. Not thread-safe: callers hold the right lock."""
+"""Candidate indexes shared by the routers. Not thread-safe: callers hold the right lock.
+
+Ties between equally loaded workers rotate: a heap entry carries a ticket from one shared
+counter, so among equal loads the worker whose load changed longest ago goes
+first; the linear scan compares `picked` stamps the same way. No worker is favoured for
+having been added first.
+"""
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from heapq import heapify, heappop, heappush, heapreplace
 from typing import Generic
 
-from rlfleet.routing._base import W, _Worker
+from typing_extensions import Unpack
+
+from rlfleet.routing._base import Router
+from rlfleet.routing._worker import RouterOptions, W, _Worker, next_ticket
 
 # Stale heap entries allowed beyond twice the live ones before a rebuild (amortised O(1)).
 _SLACK = 32
@@ -15,82 +25,102 @@ _SLACK = 32
 class LoadHeap(Generic[W]):
     """Least-loaded worker per candidate group in O(log n): a heap with lazy invalidation.
 
-    Entries are `(load, index)`; an entry is live when its worker is a member of the group and
-    its load still equals the entry's. Every member always has one live entry (pushed when it
-    joins, replaced on select, pushed again on release), so the first live entry on top of the
-    heap is the true minimum, ties broken by lowest index exactly as the seed's heap does.
+    Entries are `(load, ticket, worker)`; an entry is live when it is its worker's latest
+    (`worker.ticket == ticket`). Every member always has one live entry (pushed when it joins,
+    replaced when charged, pushed again when its load goes down), at most as loaded as its
+    worker, so the first live entry on top of the heap, pushed again if its load is out of
+    date, is the true minimum. Leaving the group voids the worker's ticket.
     """
 
     __slots__ = ("heaps", "members")
 
     def __init__(self) -> None:
-        self.heaps: dict[int, list[tuple[int, int]]] = {}
-        self.members: dict[int, dict[int, _Worker[W]]] = {}
+        self.heaps: dict[int, list[tuple[int, int, _Worker[W]]]] = {}
+        self.members: dict[int, set[_Worker[W]]] = {}
 
     def add(self, st: _Worker[W]) -> None:
-        g = st.group
-        members = self.members.get(g)
+        members = self.members.get(st.group)
         if members is None:
-            members = self.members[g] = {}
-            self.heaps[g] = []
-        members[st.index] = st
-        heappush(self.heaps[g], (st.load, st.index))
+            members = self.members[st.group] = set()
+            self.heaps[st.group] = []
+        members.add(st)
+        self.reindex(st)
 
     def remove(self, st: _Worker[W]) -> None:
-        g = st.group
-        members = self.members[g]
-        del members[st.index]
+        members = self.members[st.group]
+        members.discard(st)
+        st.ticket = -1
         if not members:
-            del self.members[g]
-            del self.heaps[g]
+            del self.members[st.group]
+            del self.heaps[st.group]
 
-    def pop_min(self, group: int, cap: int | None) -> _Worker[W] | None:
-        """Charge one request to the least-loaded member of `group` (None: none under `cap`)."""
-        heap = self.heaps.get(group)
-        if heap is None:
-            return None
-        members = self.members[group]
-        while heap:
-            load, idx = heap[0]
-            st = members.get(idx)
-            if st is not None and st.load == load:
-                if cap is not None and load >= cap:
-                    return None
-                st.load = load + 1
-                heapreplace(heap, (load + 1, idx))
-                return st
-            heappop(heap)
-        return None  # unreachable while the invariant holds
-
-    def peek_min(self, group: int) -> tuple[int, int] | None:
-        """`(load, index)` of the least-loaded member of `group`, without charging it."""
-        heap = self.heaps.get(group)
-        if heap is None:
-            return None
-        members = self.members[group]
-        while heap:
-            load, idx = heap[0]
-            st = members.get(idx)
-            if st is not None and st.load == load:
-                return load, idx
-            heappop(heap)
-        return None
-
-    def released(self, st: _Worker[W]) -> None:
-        """`st.load` went down by one: give it a live entry at the new load."""
+    def reindex(self, st: _Worker[W]) -> None:
+        """`st.load` changed (or `st` joined): give it a live entry at its load."""
         heap = self.heaps[st.group]
-        heappush(heap, (st.load, st.index))
+        st.ticket = ticket = next_ticket()
+        heappush(heap, (st.load, ticket, st))
         if len(heap) > 2 * len(self.members[st.group]) + _SLACK:
             self.compact(st.group)
 
-    def limit(self, group: int) -> int:
-        """Heap length above which `group`'s heap is rebuilt without stale entries."""
-        return 2 * len(self.members[group]) + _SLACK
+    def pop_min(self, group: int | None, limit: int | None) -> _Worker[W] | None:
+        """Charge one request to the least-loaded member of `group` (None: none under `limit`)."""
+        heap = None if group is None else self.heaps.get(group)
+        if heap is None:
+            return None
+        top = _live_top(heap)
+        return None if top is None or (limit is not None and top[0] >= limit) else _charge(heap, top)
+
+    def pop_many(self, group: int | None, limit: int | None, count: int) -> list[_Worker[W]]:
+        """Charge `count` requests one by one to the least-loaded members of `group`; stops early
+        (a shorter list) when every member is at `limit`."""
+        heap = None if group is None else self.heaps.get(group)
+        out: list[_Worker[W]] = []
+        while heap is not None and len(out) < count:
+            top = _live_top(heap)
+            if top is None or (limit is not None and top[0] >= limit):
+                break
+            out.append(_charge(heap, top))
+        return out
+
+    def peek_min(self, group: int) -> tuple[int, int] | None:
+        """`(load, ticket)` of the least-loaded member of `group`, without charging it."""
+        heap = self.heaps.get(group)
+        top = None if heap is None else _live_top(heap)
+        return None if top is None else (top[0], top[1])
 
     def compact(self, group: int) -> None:
         heap = self.heaps[group]
-        heap[:] = [(m.load, i) for i, m in self.members[group].items()]
+        heap[:] = [(m.load, m.ticket, m) for m in self.members[group]]
         heapify(heap)
+
+
+def _live_top(heap: list[tuple[int, int, _Worker[W]]]) -> tuple[int, int, _Worker[W]] | None:
+    """The heap's first live entry, dropping stale ones above it.
+
+    An entry may be live with a load below its worker's (a router charged the worker without
+    going through the heap, as PrefixAwareRouter does for a cache hit): it is pushed again at
+    the true load. Loads only go down through `reindex`, so no entry sits below where it belongs.
+    """
+    while heap:
+        top = heap[0]
+        st = top[2]
+        if st.ticket == top[1]:
+            if st.load == top[0]:
+                return top
+            st.ticket = ticket = next_ticket()
+            heapreplace(heap, (st.load, ticket, st))
+        else:
+            heappop(heap)
+    return None  # only for an empty group
+
+
+def _charge(heap: list[tuple[int, int, _Worker[W]]], top: tuple[int, int, _Worker[W]]) -> _Worker[W]:
+    """One more request on the worker of `top`, the heap's live minimum."""
+    load, _, st = top
+    st.load = load + 1
+    st.ticket = ticket = next_ticket()
+    heapreplace(heap, (load + 1, ticket, st))
+    return st
 
 
 def _index_of(st: _Worker[W]) -> int:
@@ -116,12 +146,47 @@ class Pool(Generic[W]):
             del self.lists[st.group]
 
 
-def least_loaded(candidates: list[_Worker[W]], cap: int | None) -> _Worker[W] | None:
-    """Linear scan: lowest load, then lowest index; None if every candidate is at `cap`."""
+def least_loaded(candidates: list[_Worker[W]], limit: int | None) -> _Worker[W] | None:
+    """Linear scan: lowest load, then picked longest ago; None if every one is at `limit`."""
     best: _Worker[W] | None = None
     for st in candidates:
-        if (cap is None or st.load < cap) and (
-            best is None or st.load < best.load or (st.load == best.load and st.index < best.index)
+        if (limit is None or st.load < limit) and (
+            best is None or st.load < best.load or (st.load == best.load and st.picked < best.picked)
         ):
             best = st
     return best
+
+
+class HeapRouter(Router[W]):
+    """A router whose candidates live in one `LoadHeap` (least-load first)."""
+
+    def __init__(self, workers: Iterable[W] = (), **options: Unpack[RouterOptions]) -> None:
+        self._heap: LoadHeap[W] = LoadHeap()
+        super().__init__(workers, **options)
+
+    def _index_add(self, st: _Worker[W]) -> None:
+        self._heap.add(st)
+
+    def _index_remove(self, st: _Worker[W]) -> None:
+        self._heap.remove(st)
+
+    def _on_release(self, st: _Worker[W]) -> None:
+        self._heap.reindex(st)
+
+
+class PoolRouter(Router[W]):
+    """A router whose candidates live in a `Pool` (lists in insertion order)."""
+
+    def __init__(self, workers: Iterable[W] = (), **options: Unpack[RouterOptions]) -> None:
+        self._pool: Pool[W] = Pool()
+        super().__init__(workers, **options)
+
+    def _index_add(self, st: _Worker[W]) -> None:
+        self._pool.add(st)
+
+    def _index_remove(self, st: _Worker[W]) -> None:
+        self._pool.remove(st)
+
+    def _members(self, group: int | None) -> list[_Worker[W]]:
+        """The selectable workers of `group` in insertion order (none for None: not sticky)."""
+        return [] if group is None else self._pool.lists.get(group, [])

@@ -7,9 +7,11 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from contextlib import contextmanager
 from typing import Any
 
-from rlfleet.routing._base import Router, W, _Worker
-from rlfleet.routing._errors import NotInFlightError, UnknownWorkerError
+from typing_extensions import Unpack
+
+from rlfleet.routing._base import Router
 from rlfleet.routing._index import LoadHeap
+from rlfleet.routing._worker import RouterOptions, W, _Worker
 
 KeyToNode = Mapping[Any, Hashable] | Callable[[Hashable], Hashable | None]
 ComponentDistribution = Mapping[Hashable, Mapping[str, Any]]
@@ -115,9 +117,13 @@ class NodeAffinityRouter(Router[W]):
     `key_to_node` (a mapping or a callable) names the node of a key (an env id); each worker
     is added on a node (`worker_nodes`, or `add_worker(..., node=...)`). A key whose node has
     no candidate, an unknown key and `None` fall back to the least-loaded candidate of any
-    node. Each node has its own lock, so requests for different nodes never contend; only
+    node. With `prefer_newest_version=True` a key stays on its node whatever recent versions its
+    workers serve (newest first among them); with "strict" the newest version comes first.
+    Each node has its own lock, so requests for different nodes never contend; only
     membership changes take every lock.
     """
+
+    _sticky = True
 
     def __init__(
         self,
@@ -125,8 +131,7 @@ class NodeAffinityRouter(Router[W]):
         *,
         key_to_node: KeyToNode | None = None,
         worker_nodes: Mapping[W, Hashable] | Callable[[W], Hashable] | None = None,
-        prefer_newest_version: bool = True,
-        max_in_flight: int | None = None,
+        **options: Unpack[RouterOptions],
     ) -> None:
         self._nodes: dict[Hashable | None, _Node] = {}
         if key_to_node is None:
@@ -137,7 +142,7 @@ class NodeAffinityRouter(Router[W]):
             self._resolve = key_to_node
         else:
             raise TypeError(f"key_to_node must be a mapping or a callable, got {key_to_node!r}")
-        super().__init__(prefer_newest_version=prefer_newest_version, max_in_flight=max_in_flight)
+        super().__init__(**options)
         if worker_nodes is None:
             node_of: Callable[[W], Hashable | None] = _no_node
         elif isinstance(worker_nodes, Mapping):
@@ -179,16 +184,28 @@ class NodeAffinityRouter(Router[W]):
     def _exclusive(self) -> Any:
         return self._all_nodes_locked()
 
-    def add_worker(self, worker: W, *, node: Hashable | None = None, version: int = 0) -> None:
+    def release(self, worker: W) -> None:
+        st = self._states.get(worker)
+        if st is None:
+            self._count_down(worker, st)  # raises: unknown
+        assert st is not None
+        node: _Node = st.slot
+        with node.lock:  # only this worker's node: releases on other nodes never wait
+            self._count_down(worker, st)
+            node.total -= 1
+        if self._wait.count:
+            self._wait.wake()
+
+    def _in_flight_now(self) -> int:
+        return sum(n.total for n in list(self._nodes.values()))
+
+    def add_worker(self, worker: W, *, node: Any = None, version: int = 0) -> None:
         with self._lock:  # publish the (empty) node first so _exclusive takes its lock too
             if node not in self._nodes:
                 self._nodes[node] = _Node(node)
         super().add_worker(worker, node=node, version=version)
 
     # ------------------------------------------------------------------ hooks
-    def _pick(self, key: Hashable | None) -> _Worker[W] | None:  # pragma: no cover - _try_select instead
-        raise NotImplementedError("NodeAffinityRouter selects under per-node locks")
-
     def _member_add(self, st: _Worker[W]) -> None:
         st.slot = self._nodes[st.node]
 
@@ -198,72 +215,50 @@ class NodeAffinityRouter(Router[W]):
     def _index_remove(self, st: _Worker[W]) -> None:
         st.slot.heap.remove(st)
 
+    def _on_release(self, st: _Worker[W]) -> None:
+        st.slot.heap.reindex(st)
+
     # ------------------------------------------------------------------ hot path
-    def node_for(self, key: Hashable | None) -> Hashable | None:
+    def node_for(self, key: Any) -> Hashable | None:
         """The node `key` maps to (None: no affinity)."""
         return None if key is None else self._resolve(key)
 
-    def _try_select(self, key: Hashable | None) -> W | None:
-        best = self._best
-        if best is None:
-            return None
-        if key is not None:
-            node = self._nodes.get(self._resolve(key))
-            if node is not None:
-                lock = node.lock
-                lock.acquire()
-                try:
-                    st: _Worker[W] | None = node.heap.pop_min(best, self._cap)
+    def _try_select(self, key: Any) -> W | None:
+        st = self._choose(key, self._pick_in)  # each step takes the one node lock it needs
+        return None if st is None else st.key
+
+    def _try_assign(self, keys: list[Any]) -> list[W] | None:
+        return None  # per-node locks: no single lock covers a batch
+
+    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
+        """On the key's node: `group`, or every recent group newest first (None); then, for a
+        group, the least-loaded worker of any node."""
+        node = None if key is None else self._nodes.get(self._resolve(key))
+        if node is not None:
+            with node.lock:
+                for g in self._groups.order[: self._groups.recent] if group is None else (group,):
+                    st: _Worker[W] | None = node.heap.pop_min(g, limit)
                     if st is not None:
                         node.total += 1
-                        return st.key
-                finally:
-                    lock.release()
-        return self._fallback(best)
+                        return st
+        return None if group is None else self._anywhere(group, limit)
 
-    def _fallback(self, best: int) -> W | None:
-        """Least-loaded candidate of any node, taking one node lock at a time."""
-        cap = self._cap
+    def _anywhere(self, group: int, limit: int | None) -> _Worker[W] | None:
+        """Least-loaded worker of `group` on any node, taking one node lock at a time."""
         found: list[tuple[tuple[int, int], _Node]] = []
         for node in list(self._nodes.values()):
             with node.lock:
-                top = node.heap.peek_min(best)
-            if top is not None and (cap is None or top[0] < cap):
+                top = node.heap.peek_min(group)
+            if top is not None and (limit is None or top[0] < limit):
                 found.append((top, node))
         found.sort(key=lambda f: f[0])
         for _, node in found:
             with node.lock:  # loads may have moved since the peek: take that node's minimum now
-                st: _Worker[W] | None = node.heap.pop_min(best, cap)
+                st: _Worker[W] | None = node.heap.pop_min(group, limit)
                 if st is not None:
                     node.total += 1
-                    return st.key
+                    return st
         return None
-
-    def release(self, worker: W) -> None:
-        st = self._states.get(worker)
-        if st is None:
-            raise UnknownWorkerError(f"release({worker!r}): worker is not known to this router")
-        node: _Node = st.slot
-        lock = node.lock
-        lock.acquire()
-        try:
-            if st.load <= 0:
-                raise NotInFlightError(f"release({worker!r}): worker has no request in flight")
-            st.load -= 1
-            node.total -= 1
-            if st.selectable:
-                node.heap.released(st)
-            elif not st.active and st.load == 0 and self._states.get(worker) is st:
-                del self._states[worker]
-        finally:
-            lock.release()
-        if self._waiters:
-            self._wake()
-
-    @property
-    def in_flight(self) -> int:
-        with self._exclusive():
-            return sum(n.total for n in self._nodes.values())
 
     @property
     def nodes(self) -> list[Hashable | None]:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from rlfleet.routing._base import Router, W, _Worker
-from rlfleet.routing._index import Pool, least_loaded
+from typing_extensions import Unpack
+
+from rlfleet.routing._index import PoolRouter, least_loaded
+from rlfleet.routing._worker import RouterOptions, W, _Worker, next_ticket
 
 
-class PowerOfTwoRouter(Router[W]):
+class PowerOfTwoRouter(PoolRouter[W]):
     """Sample two distinct candidates at random, send the request to the less loaded one.
 
     Near least-load balance at O(1) per decision with no shared ordering structure. The RNG is
@@ -17,24 +20,17 @@ class PowerOfTwoRouter(Router[W]):
     """
 
     def __init__(
-        self,
-        workers: Iterable[W] = (),
-        *,
-        seed: int | None = 0,
-        prefer_newest_version: bool = True,
-        max_in_flight: int | None = None,
+        self, workers: Iterable[W] = (), *, seed: int | None = 0, **options: Unpack[RouterOptions]
     ) -> None:
-        self._pool: Pool[W] = Pool()
         self._rng = random.Random(seed)
-        super().__init__(workers, prefer_newest_version=prefer_newest_version, max_in_flight=max_in_flight)
+        super().__init__(workers, **options)
 
-    def _pick(self, key: Hashable | None) -> _Worker[W] | None:
-        best = self._best
-        if best is None:
-            return None
-        lst = self._pool.lists[best]
+    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
+        lst = self._members(group)
         n = len(lst)
-        if n == 1:
+        if n <= 1:
+            if not n:
+                return None
             st = lst[0]
         else:
             rand = self._rng.randrange
@@ -43,18 +39,12 @@ class PowerOfTwoRouter(Router[W]):
             if j >= i:
                 j += 1
             a, b = lst[i], lst[j]
-            st = a if (a.load, a.index) <= (b.load, b.index) else b
-        cap = self._cap
-        if cap is not None and st.load >= cap:
-            found = least_loaded(lst, cap)  # both samples full: look at everyone
+            st = a if (a.load, a.picked) <= (b.load, b.picked) else b
+        if limit is not None and st.load >= limit:
+            found = least_loaded(lst, limit)  # both samples full: look at everyone
             if found is None:
                 return None
             st = found
         st.load += 1
+        st.picked = next_ticket()
         return st
-
-    def _index_add(self, st: _Worker[W]) -> None:
-        self._pool.add(st)
-
-    def _index_remove(self, st: _Worker[W]) -> None:
-        self._pool.remove(st)
