@@ -49,3 +49,15 @@ class PeerLostError(WeightSyncError):
 
 class VersionError(WeightSyncError):
     """A version arrived out of order (not newer than the applied one)."""
+
+
+class SlotsStillMappedError(WeightSyncError):
+    """A CUDA IPC sender closed while live readers still mapped its GPU slots.
+
+    Freeing GPU memory that another process still maps is undefined in CUDA, so the slots were
+    leaked (kept allocated for the life of the sender process) instead; `readers` names them.
+    """
+
+    def __init__(self, message: str, readers: list[int]) -> None:
+        super().__init__(message)
+        self.readers = list(readers)
