@@ -45,6 +45,7 @@ class StandInNccl:
         self.char_signed = char_signed
         self.root = Path(root)
         self.released = threading.Event()  # set: every blocked init gives up (test teardown)
+        self.built: list[_Communicator] = []  # every communicator whose init returned
         outer = self
 
         class NcclCommunicator(_Communicator):
@@ -96,6 +97,7 @@ class _Communicator:
         self.aborted = False
         self.destroyed = False
         self._init_rank(raw, ndev, rank)
+        nccl.built.append(self)
 
     def _init_rank(self, raw: bytes, ndev: int, rank: int) -> None:
         """``ncclCommInitRank``: announce this rank under the id, block until all `ndev` are there."""

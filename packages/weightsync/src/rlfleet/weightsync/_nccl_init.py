@@ -36,7 +36,14 @@ from rlfleet.weightsync._errors import MetadataError, WeightSyncError
 from rlfleet.weightsync._json import decode_json
 from rlfleet.weightsync._rendezvous import RendezvousTimeoutError, join_generation
 
-__all__ = ["bounded_init", "communicator", "decode_unique_id", "encode_unique_id", "join_communicator"]
+__all__ = [
+    "bounded_init",
+    "communicator",
+    "decode_unique_id",
+    "encode_unique_id",
+    "group_prefix",
+    "join_communicator",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -161,6 +168,11 @@ def bounded_init(
     return worker.comm
 
 
+def group_prefix(name: str) -> str:
+    """Where NCCL group `name` keeps its keys in the store (its `join_generation` prefix)."""
+    return f"rlfleet/nccl/{name}"
+
+
 def join_communicator(
     nccl: Any,
     store: Any,
@@ -177,7 +189,7 @@ def join_communicator(
     rank marks when it enters and leaves the init under that generation, so a timed-out init
     names who never got there (or never got out).
     """
-    prefix = f"rlfleet/nccl/{name}"
+    prefix = group_prefix(name)
     what = f"NCCL group {name!r}"
     roster = join_generation(
         store,
