@@ -27,6 +27,7 @@ from rlfleet.weightsync._errors import (
     LayoutMismatchError,
     MetadataError,
     PeerLostError,
+    SlotsStillMappedError,
     SyncAbortedError,
     SyncTimeoutError,
     VersionError,
@@ -56,10 +57,12 @@ from rlfleet.weightsync._packing import (
 from rlfleet.weightsync._protocol import BucketConsumer
 from rlfleet.weightsync._rendezvous import (
     RendezvousTimeoutError,
+    Roster,
     check_in,
     connect_store,
     host_store,
     init_process_group_bounded,
+    join_generation,
     new_group_bounded,
     reset_group_numbering,
 )
@@ -188,4 +191,7 @@ __all__ = [
     "pack_bucket",
     "typed_view",
     "unpack_bucket_into",
+    "Roster",
+    "SlotsStillMappedError",
+    "join_generation",
 ]
