@@ -127,10 +127,51 @@ def test_shared_memory_weights_are_skipped_not_copied() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 def test_cuda_offload_to_pinned_host_memory() -> None:  # pragma: no cover - GPU only
-    net = Net().cuda()
+    """On a GPU: storages go to pinned host memory and their device memory is freed; with
+    `empty_cache` it also leaves torch's cache (a colocated process can allocate it); reload
+    is bit-exact."""
+    net = torch.nn.Linear(4096, 4096).cuda()  # a 64 MiB weight: a cache segment of its own
     before = checksum(net.state_dict())
-    free_before = torch.cuda.memory_allocated()
-    offload_module(net)
-    assert torch.cuda.memory_allocated() < free_before
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    stats = offload_module(net, empty_cache=True)
+    assert torch.cuda.memory_allocated() <= allocated - stats.nbytes
+    assert reserved - torch.cuda.memory_reserved() >= net.weight.numel() * 4, (
+        "the weight's segment left the cache"
+    )
     reload_module(net)
     assert checksum(net.state_dict()) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_offload_waits_for_writes_queued_on_other_streams() -> None:  # pragma: no cover - GPU only
+    """On a GPU: a parameter written on a side stream (behind a GPU spin) just before the
+    offload comes back with that write: offload synchronizes the whole device, not only the
+    current stream (the old code copied on the current stream at once and lost the write)."""
+    net = Net().cuda()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]
+        net.body.weight.data.fill_(0.25)
+    offload_module(net)
+    reload_module(net)
+    assert bool((net.body.weight == 0.25).all())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.gpu
+def test_offload_synchronizes_every_device_it_copied_from() -> None:  # pragma: no cover - 2 GPUs
+    """On two GPUs: a module on cuda:1 while cuda:0 is current; a write pending on a cuda:1
+    side stream is in the offloaded copy (synchronizing only the current device misses it)."""
+    torch.cuda.set_device(0)
+    net = Net().to("cuda:1")
+    torch.cuda.synchronize("cuda:1")
+    side = torch.cuda.Stream(device="cuda:1")  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]
+        net.body.weight.data.fill_(0.75)
+    offload_module(net)
+    reload_module(net)
+    assert bool((net.body.weight == 0.75).all())
