@@ -20,7 +20,7 @@ from rlfleet.weightsync._shm import process_alive
 __all__ = ["ControlBlock", "decode_meta"]
 
 MAGIC = 0x524C46_495043  # "RLF" "IPC"
-#: 2: per-slot session words and per-reader R_READING (readers an aborted session left behind).
+#: 2: G_READY, per-slot session words and per-reader R_READING (readers an aborted session left).
 FORMAT = 2
 NUM_SLOTS = 2
 MAX_READERS = 1024
@@ -31,10 +31,13 @@ INT64_MAX = (1 << 63) - 1
 G_MAGIC, G_FORMAT, G_WRITER_PID, G_WRITER_START = 0, 1, 2, 3
 G_READERS, G_SLOT_BYTES, G_META_LEN, G_META_OFFSET = 4, 5, 6, 7
 #: G_SESSION counts the sender's sessions (one per `send`), the generation every other word of
-#: a session is tagged with: a session that is not the current one is over.
+#: a session is tagged with: a session that is not the current one is over. The sender announces
+#: a session there first, and publishes its header (version, base, buckets) under G_READY once
+#: no reader of an earlier session still reads a slot.
 G_SESSION, G_VERSION, G_NBUCKETS, G_BASE = 8, 9, 10, 11
 G_COMMIT, G_ABORT, G_CLOSED, G_CHECKSUMS = 12, 13, 14, 15
-SLOT_BASE = 16
+G_READY = 16
+SLOT_BASE = 24
 SLOT_WORDS = 8
 #: S_SEQ: the bucket's global sequence number (monotonic across sessions); S_SESSION: its session.
 S_SEQ, S_BUCKET, S_NBYTES, S_CRC, S_SESSION = 0, 1, 2, 3, 4

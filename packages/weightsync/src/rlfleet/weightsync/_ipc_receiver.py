@@ -30,6 +30,7 @@ from rlfleet.weightsync._ipc_control import (
     G_CLOSED,
     G_COMMIT,
     G_NBUCKETS,
+    G_READY,
     G_SESSION,
     G_VERSION,
     G_WRITER_PID,
@@ -168,20 +169,22 @@ class CudaIpcReceiver:
             backoff.sleep(deadline.remaining())
 
     def _enter(self, deadline: Deadline) -> int:
-        """Wait for the next session and register as reading its slots (R_READING), then check
-        it is still the current one: the sender sets G_SESSION, then looks at R_READING, so either
-        it waits for this reader or this reader sees it moved on (and skips the ended session)."""
+        """Wait for the next session's header, register as reading its slots (R_READING), then
+        check it is still the current session. The sender announces a session (G_SESSION), then
+        looks at R_READING before it writes the next header or any slot: so either it waits for
+        this reader, or this reader sees the session is over (and skips it, having read nothing).
+        Past this check the session's header and slots stay as they are until R_READING clears."""
         cb, word = self._cb, self._cb.reader(self.index, R_READING)
         while True:
-            self._wait(lambda: cb.get(G_SESSION) > self._last_session, None, deadline, "the next version")
+            self._wait(lambda: cb.get(G_READY) > self._last_session, None, deadline, "the next version")
             memory_fence()
-            session = cb.get(G_SESSION)
+            session = cb.get(G_READY)
             self._last_session = session
             cb.set(word, session)
             memory_fence()
             if cb.get(G_SESSION) == session:
                 return session
-            cb.set(word, 0)  # ended before this reader read anything: nothing to release
+            cb.set(word, 0)  # over before this reader read anything: nothing to release
 
     def receive(
         self, consumer: BucketConsumer, deadline: Deadline | float | None = DEFAULT_RECEIVE_DEADLINE_S

@@ -28,6 +28,7 @@ from rlfleet.weightsync._ipc_control import (
     G_META_OFFSET,
     G_NBUCKETS,
     G_READERS,
+    G_READY,
     G_SESSION,
     G_SLOT_BYTES,
     G_VERSION,
@@ -191,13 +192,8 @@ class CudaIpcSender:
         nbuckets = len(self.layout.buckets)
         self._session = session
         self._published = base + nbuckets
-        cb.set(G_VERSION, version)
-        cb.set(G_NBUCKETS, nbuckets)
-        cb.set(G_BASE, base)
-        cb.set(G_CHECKSUMS, int(self.checksums))
-        memory_fence()
-        cb.set(G_SESSION, session)
-        memory_fence()  # then look for readers of an earlier session (they set R_READING, then look here)
+        cb.set(G_SESSION, session)  # every earlier session is over
+        memory_fence()  # then look for their readers (a reader sets R_READING, then looks here)
         try:
             self._poll(
                 lambda: not cb.stragglers(session),
@@ -207,6 +203,11 @@ class CudaIpcSender:
                     f"of an aborted version before version {version} rewrites them"
                 ),
             )
+            for word, value in ((G_VERSION, version), (G_NBUCKETS, nbuckets), (G_BASE, base)):
+                cb.set(word, value)
+            cb.set(G_CHECKSUMS, int(self.checksums))
+            memory_fence()
+            cb.set(G_READY, session)  # the header: readers take the session from here
             total = self._send_buckets(state_dict, version, session, base, deadline)
             self._vote(version, session, deadline)
         except BaseException:
