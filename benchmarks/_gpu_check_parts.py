@@ -38,41 +38,6 @@ def mismatched(live: Mapping[str, Any], spec: Spec, version: int, device: str) -
     return bad[:5]
 
 
-class InPlace:
-    """Strategy "None" in place: each bucket copied into the live tensors as it arrives (fast,
-    not atomic): the bandwidth figure of the IPC transport itself."""
-
-    def __init__(self, live: Mapping[str, Any], layout: Any) -> None:
-        self.live = live
-        self._layout = layout
-        self._version = -1
-
-    @property
-    def layout(self) -> Any:
-        return self._layout
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def begin(self, version: int) -> None:
-        from rlfleet.weightsync import VersionError
-
-        if version <= self._version:
-            raise VersionError(f"version {version} is not newer than {self._version}")
-
-    def consume(self, index: int, data: Any) -> None:
-        from rlfleet.weightsync import unpack_bucket_into
-
-        unpack_bucket_into(self._layout, index, data, self.live)
-
-    def commit(self, version: int) -> None:
-        self._version = version
-
-    def abort(self, error: BaseException) -> None:
-        pass
-
-
 class FailAt:
     """A consumer that fails at bucket `bucket`. On a GPU it first queues a copy of that slot on
     a side stream behind a GPU spin: the receiver must wait for it before releasing the slot."""
@@ -131,7 +96,7 @@ def _timed_send(sender: Any, state: Any, version: int, deadline: float) -> float
 
 
 def ipc_sender(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Versions 1..R+1 (reader: in place), R+2 (reader: DoubleBuffer), R+3 (the reader's
+    """Versions 1..R+1 (reader: "None" in place), R+2 (reader: DoubleBuffer), R+3 (the reader's
     consumer fails: aborted), R+4..2R+4 (DoubleBuffer). Seconds per version, by phase."""
     import torch
 
@@ -171,7 +136,7 @@ def ipc_reader(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The other side of `ipc_sender`; checks bytes after each phase against a fresh copy."""
     import torch
 
-    from rlfleet.weightsync import CudaIpcReceiver, DoubleBuffer, Layout, SyncAbortedError
+    from rlfleet.weightsync import CudaIpcReceiver, DirectBuffer, DoubleBuffer, Layout, SyncAbortedError
 
     device, reps, deadline = cfg["device"], cfg["reps"], cfg["deadline"]
     if device == "cuda":
@@ -182,7 +147,7 @@ def ipc_reader(cfg: Mapping[str, Any]) -> dict[str, Any]:
     layout = Layout.from_state_dict(live, cfg["bucket_bytes"])
     out: dict[str, Any] = {}
     with CudaIpcReceiver.attach(name, 0) as receiver:
-        in_place = InPlace(live, layout)
+        in_place = DirectBuffer(live, layout, max_staging_bytes=0)  # "None" in place: no staging copy
         for _ in range(reps + 1):
             receiver.receive(in_place, deadline)
         double = DoubleBuffer(build_state(spec, fill=False, device=device), layout)

@@ -143,35 +143,23 @@ def test_cuda_offload_to_pinned_host_memory() -> None:  # pragma: no cover - GPU
     assert checksum(net.state_dict()) == before
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
-def test_offload_waits_for_writes_queued_on_other_streams() -> None:  # pragma: no cover - GPU only
-    """On a GPU: a parameter written on a side stream (behind a GPU spin) just before the
-    offload comes back with that write: offload synchronizes the whole device, not only the
-    current stream (the old code copied on the current stream at once and lost the write)."""
-    net = Net().cuda()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+@pytest.mark.parametrize("index", [0, 1])
+def test_offload_waits_for_writes_queued_on_any_stream_of_any_device(index: int) -> None:
+    """On a GPU (and on a second one): a parameter written on a side stream of its device,
+    behind a GPU spin, just before the offload comes back with that write, while cuda:0 is
+    the current device. Offload synchronizes every device it copies from, all streams (the old
+    code copied on the current stream at once and synchronized the current device only)."""
+    if torch.cuda.device_count() <= index:
+        pytest.skip(f"needs {index + 1} CUDA device(s)")
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", index)
+    net = Net().to(device)
+    torch.cuda.synchronize(device)
+    side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     with torch.cuda.stream(side):
         torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]
         net.body.weight.data.fill_(0.25)
     offload_module(net)
     reload_module(net)
     assert bool((net.body.weight == 0.25).all())
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-@pytest.mark.gpu
-def test_offload_synchronizes_every_device_it_copied_from() -> None:  # pragma: no cover - 2 GPUs
-    """On two GPUs: a module on cuda:1 while cuda:0 is current; a write pending on a cuda:1
-    side stream is in the offloaded copy (synchronizing only the current device misses it)."""
-    torch.cuda.set_device(0)
-    net = Net().to("cuda:1")
-    torch.cuda.synchronize("cuda:1")
-    side = torch.cuda.Stream(device="cuda:1")  # type: ignore[no-untyped-call]
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]
-        net.body.weight.data.fill_(0.75)
-    offload_module(net)
-    reload_module(net)
-    assert bool((net.body.weight == 0.75).all())

@@ -131,22 +131,26 @@ class CudaOpened:
                     self._cp.cuda.runtime.ipcCloseMemHandle(ptr)
 
 
-class HostSlots:
-    """CPU stand-in for the GPU slots: one shared-memory segment; its name is the "handle"."""
+class _HostFenced:
+    """Host slots: a store is visible to the peer process once fenced; no stream to wait for."""
 
     kind = "host"
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = page_align(nbytes)
-        self._segment = SharedSegment.create(self.nbytes * NUM_SLOTS, prefix="rlfleet-ipcslots")
-        self.tensors = [self._segment.tensor(j * self.nbytes, self.nbytes) for j in range(NUM_SLOTS)]
-        self.handles = [self._segment.name]
 
     def sync(self) -> None:
         memory_fence()
 
     def settle(self) -> None:
         memory_fence()
+
+
+class HostSlots(_HostFenced):
+    """CPU stand-in for the GPU slots: one shared-memory segment; its name is the "handle"."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = page_align(nbytes)
+        self._segment = SharedSegment.create(self.nbytes * NUM_SLOTS, prefix="rlfleet-ipcslots")
+        self.tensors = [self._segment.tensor(j * self.nbytes, self.nbytes) for j in range(NUM_SLOTS)]
+        self.handles = [self._segment.name]
 
     def close(self) -> None:
         self.tensors = []
@@ -160,8 +164,8 @@ class HostSlots:
         self._segment.unlink()
 
 
-class HostOpened:
-    kind = "host"
+class HostOpened(_HostFenced):
+    """A reader's read-only mapping of `HostSlots`."""
 
     def __init__(self, handles: list[str], nbytes: int) -> None:
         if len(handles) != 1:
@@ -170,12 +174,6 @@ class HostOpened:
         self._segment = SharedSegment.attach(handles[0], readonly=True)
         stride = page_align(nbytes)
         self.tensors = [self._segment.tensor(j * stride, nbytes) for j in range(NUM_SLOTS)]
-
-    def sync(self) -> None:
-        memory_fence()
-
-    def settle(self) -> None:
-        memory_fence()
 
     def close(self) -> None:
         self.tensors = []
