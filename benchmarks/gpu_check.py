@@ -76,6 +76,14 @@ def log(msg: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def cupy_version() -> str:
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CUDA mismatch while loading
+        return f"not importable ({one_line(exc)})"
+    return str(cupy.__version__)
+
+
 def yes(flag: bool) -> Claim:
     return claim(1 if flag else 0, 1, YES)
 
@@ -275,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         log("no CUDA device visible to torch: GPU checks skipped")
         return report({n: skipped(n, "no CUDA device") for n in CLAIMS}, args.json, title="gpu_check")
     if not dry:
-        log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+        log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cupy {cupy_version()}")
     total = int((args.gib or (0.0625 if dry else (1 if args.quick else 4))) * GiB)
     bucket = min(args.bucket_mib * MiB, max(MiB, total // 4))
     reps = 3 if args.quick or dry else 5
