@@ -135,6 +135,9 @@ def test_ipc_reader_killed(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ipc_over_real_cuda_handles(tmp_path: Path) -> None:
+    """On a GPU: the whole two-phase scenario above (versions, checksums, a stale version, a
+    layout mismatch, a failing consumer) over real cudaMalloc slots shared by IPC handle,
+    opened through CuPy and seen by torch through DLPack; every reader ends bit-exact."""
     pytest.importorskip("cupy")
     results = w.run_ranks(w.scenario_ipc, 3, str(tmp_path / "name"), "cuda", timeout=180.0)
     for rank in (1, 2):
