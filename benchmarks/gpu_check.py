@@ -193,6 +193,15 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def ratio(name: str, gbps: float, memcpy: float | None, dry: bool) -> Claim:
+    """A bandwidth over device memcpy (reported, no target yet)."""
+    if dry:
+        return skipped(name, "cpu dry run")
+    if not memcpy:
+        return missed(name, "no device memcpy to compare with")
+    return claim(gbps / memcpy, None, CLAIMS[name][1])
+
+
 def ipc_claims(cfg: dict[str, Any], memcpy: float | None, dry: bool) -> dict[str, Claim]:
     with tempfile.TemporaryDirectory(prefix="rlfleet-gpucheck-") as tmp:
         cfg = {**cfg, "path": os.path.join(tmp, "channel")}
@@ -220,9 +229,7 @@ def ipc_claims(cfg: dict[str, Any], memcpy: float | None, dry: bool) -> dict[str
     ):
         gbps = sender["tensor_bytes"] / statistics.median(times) / 1e9
         log(f"cuda ipc: {name} {gbps:.1f} GB/s (tensor bytes / median sync)")
-        out[name] = (
-            skipped(name, "cpu dry run") if memcpy is None else claim(gbps / memcpy, None, CLAIMS[name][1])
-        )
+        out[name] = ratio(name, gbps, memcpy, dry)
     name = "cuda_ipc_failed_read_settled"
     out[name] = skipped(name, "host slots") if dry else yes(reader["settled"] is True)
     return out
@@ -236,9 +243,7 @@ def nccl_claims(cfg: dict[str, Any], memcpy: float) -> dict[str, Claim]:
         "nccl_bucket_loop_ok": yes(bool(res["loops"]) and res["loops"][0] and res["untouched"]),
         "nccl_rebuild_same_name_ok": yes(len(res["loops"]) == 2 and all(res["loops"])),
         "nccl_init_bounded": yes(bounded["missing"] == [1] and bounded["seconds"] < 30.0),
-        "nccl_loop_over_memcpy": claim(
-            res["gbps"]["packed"] / memcpy, None, CLAIMS["nccl_loop_over_memcpy"][1]
-        ),
+        "nccl_loop_over_memcpy": ratio("nccl_loop_over_memcpy", res["gbps"]["packed"], memcpy, False),
     }
 
 
