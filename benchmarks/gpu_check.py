@@ -1,26 +1,32 @@
-"""GPU check of the weightsync GPU transports, in one call: CUDA IPC, NCCL, device memcpy.
+"""GPU check of weightsync's GPU paths, in one call: CUDA IPC, NCCL, offload, device memcpy.
 
-Run: hatch run python benchmarks/gpu_check.py [--quick] [--json PATH] [--gib N]
+Run on a GPU machine (CuPy installed: the ``[cuda12]`` / ``[cuda13]`` extra), without hatch:
 
-On a CUDA machine (with CuPy: the ``[cuda12]`` / ``[cuda13]`` extra):
-  memcpy     device-to-device copy of the same bytes (torch), the reference bandwidth;
-  cuda ipc   two processes, `CudaIpcSender` -> `CudaIpcReceiver`: the sender packs each bucket
-             into one of two GPU slots shared through cudaIpc handles (opened once), the reader
-             applies it into its live GPU tensors ("None" in place); bytes / sync time, and the
-             reader's weights compared bit for bit with what the sender sent;
-  nccl       a one-rank NcclCommunicator (CuPy) running the real API and bucket loop
-             (`NcclSender`: header, negotiation, control words, double-buffered buckets, commit):
-             measures the protocol's own overhead on the GPU (one rank moves no bytes between GPUs).
-Prints bandwidths and ratios against memcpy. Every step has a timeout and prints progress; the
-whole script is bounded by an alarm. Without CUDA (or CuPy) it says so, exits 0, and writes its
-claims marked skipped. ``--cpu-dry-run`` runs the IPC part with host slots on the CPU, to check
-the script itself on a machine without a GPU.
+    PYTHONPATH=packages/weightsync/src python3 benchmarks/gpu_check.py --quick --json gpu.json
+
+What it checks (each a claim; bit-exact ones have target 1, figures are reported):
+  memcpy       device-to-device copy of the model's bytes (torch): the reference bandwidth;
+  cuda ipc     two processes, `CudaIpcSender` -> `CudaIpcReceiver` over GPU slots shared by IPC
+               handle: versions applied in place ("None"), then into a `DoubleBuffer` on the GPU
+               (the same-node GPU endpoint: policygroup has no CUDA IPC endpoint yet, so this is
+               its level), with one version whose consumer fails after queueing a side-stream
+               read of its slot (nothing applied; the read sees that version's bytes, so the
+               receiver waited for the device before releasing the slot); reader bytes compared
+               with a fresh copy; bandwidth against memcpy;
+  nccl         a one-rank communicator through CuPy's real API and the protocol's bucket loop
+               (wire bytes, tensors untouched), rebuilt on the same store and name, and an init
+               whose second rank never comes, which must end at its deadline naming it;
+  offload      a module with gradients and Adam state offloaded to pinned memory and reloaded
+               bit-exact, with a write pending on a side stream; memory freed and handed back.
+Every step runs under a timeout (children are killed), the whole script under an alarm, and a
+failed step is a missed claim with a one-line error in the table (tracebacks after it). Exit
+status: 0 when every claim holds, 1 otherwise. Without CUDA it reports every claim skipped and
+exits 0; ``--cpu-dry-run`` runs the IPC (host slots) and offload parts on the CPU instead, to
+check this script where no GPU is.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import statistics
@@ -28,14 +34,41 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from _state import GiB, MiB, build_state, gpu_model_spec
+from _claims import Claim, arguments, claim, report
+from _gpu_check_parts import ipc_reader, ipc_sender, nccl_child, offload_check
+from _state import GiB, MiB, gpu_model_spec
 
-CLAIMS = {
-    "cuda_ipc_over_memcpy": (0.4, "x"),
-    "nccl_loop_over_memcpy": (None, "x"),
+YES = "1 = yes"
+#: name -> (target, unit): what a GPU run reports.
+CLAIMS: dict[str, tuple[float | None, str]] = {
+    "device_memcpy_gbps": (None, "GB/s"),
+    "cuda_ipc_bit_exact": (1, YES),
+    "cuda_ipc_abort_keeps_previous": (1, YES),
+    "cuda_ipc_failed_read_settled": (1, YES),
+    "cuda_ipc_double_buffer_bit_exact": (1, YES),
+    "cuda_ipc_sync_over_memcpy": (None, "x memcpy"),
+    "cuda_ipc_double_buffer_over_memcpy": (None, "x memcpy"),
+    "nccl_bucket_loop_ok": (1, YES),
+    "nccl_rebuild_same_name_ok": (1, YES),
+    "nccl_init_bounded": (1, YES),
+    "nccl_loop_over_memcpy": (None, "x memcpy"),
+    "offload_reload_bit_exact": (1, YES),
+    "offload_frees_device_memory": (1, YES),
+    "offload_empty_cache_returns_memory": (1, YES),
+}
+GPU_ONLY = {
+    "device_memcpy_gbps",
+    "cuda_ipc_failed_read_settled",
+    "cuda_ipc_sync_over_memcpy",
+    "cuda_ipc_double_buffer_over_memcpy",
+    "nccl_bucket_loop_ok",
+    "nccl_rebuild_same_name_ok",
+    "nccl_init_bounded",
+    "nccl_loop_over_memcpy",
+    "offload_empty_cache_returns_memory",
 }
 
 
@@ -43,60 +76,105 @@ def log(msg: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _claim(
-    value: float | None, target: float | None, unit: str, skipped: str | None = None
+def cupy_version() -> str:
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CUDA mismatch while loading
+        return f"not importable ({one_line(exc)})"
+    return str(cupy.__version__)
+
+
+def yes(flag: bool) -> Claim:
+    return claim(1 if flag else 0, 1, YES)
+
+
+def skipped(name: str, reason: str) -> Claim:
+    target, unit = CLAIMS[name]
+    return {"value": None, "target": target, "unit": f"{unit} (skipped: {reason})", "ok": True}
+
+
+def missed(name: str, error: str) -> Claim:
+    target, unit = CLAIMS[name]
+    return {"value": f"ERROR {error}", "target": target, "unit": unit, "ok": False}
+
+
+def one_line(exc: BaseException, limit: int = 90) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Steps:
+    """Runs each step; a step that raises marks its claims missed and keeps its traceback."""
+
+    def __init__(self) -> None:
+        self.claims: dict[str, Claim] = {}
+        self.tracebacks: list[str] = []
+
+    def run(self, names: list[str], step: Callable[[], dict[str, Claim]]) -> None:
+        try:
+            self.claims.update(step())
+        except BaseException as exc:  # the alarm's TimeoutError included: report, do not crash
+            log(f"{names[0].split('_')[0]} step FAILED: {one_line(exc)}")
+            self.tracebacks.append(f"{', '.join(names)}:\n{traceback.format_exc()}")
+            for name in names:
+                self.claims.setdefault(name, missed(name, one_line(exc)))
+
+
+# -- processes -------------------------------------------------------------------------------------
+def _child(body: Callable[[Mapping[str, Any]], dict[str, Any]], role: str, cfg: Any, queue: Any) -> None:
+    try:
+        queue.put((role, "ok", body(cfg)))
+    except BaseException as exc:
+        queue.put((role, "error", f"{one_line(exc)}\n{traceback.format_exc()}"))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)  # leave at once: a stuck NCCL init thread (the bounded-init check) must not hold exit
+
+
+def run_children(
+    bodies: dict[str, Callable[..., dict[str, Any]]], cfg: Mapping[str, Any], timeout: float
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "value": None if value is None else round(value, 4),
-        "target": target,
-        "unit": unit,
-        "ok": True if skipped or target is None else bool(value is not None and value >= target),
+    """Each body in its own spawned process; results by role; any failure raises (children killed)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = {
+        role: ctx.Process(target=_child, args=(body, role, dict(cfg), queue), daemon=True)
+        for role, body in bodies.items()
     }
-    if skipped:
-        out["skipped"] = skipped
-    return out
+    for proc in procs.values():
+        proc.start()
+    results: dict[str, Any] = {}
+    end = time.monotonic() + timeout
+    try:
+        while len(results) < len(procs):
+            if time.monotonic() > end:
+                raise TimeoutError(
+                    f"{sorted(set(procs) - set(results))} did not finish within {timeout:.0f}s"
+                )
+            try:
+                role, status, value = queue.get(timeout=1.0)
+            except Exception:  # queue.Empty: check for a child that died without a word
+                dead = [r for r, p in procs.items() if r not in results and p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"{dead[0]} died (exit {procs[dead[0]].exitcode})") from None
+                continue
+            if status != "ok":
+                line, _, trace = value.partition("\n")
+                raise RuntimeError(f"{role}: {line}\n{trace}")
+            results[role] = value
+            log(f"{role} finished")
+    finally:
+        for proc in procs.values():
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    return results
 
 
-def skipped_claims(reason: str) -> dict[str, dict[str, Any]]:
-    return {name: _claim(None, target, unit, skipped=reason) for name, (target, unit) in CLAIMS.items()}
-
-
-# -- model ---------------------------------------------------------------------------------------
-class InPlace:
-    """Strategy "None" written in place: each bucket copied into the live tensors as it arrives."""
-
-    def __init__(self, live: Mapping[str, Any], layout: Any) -> None:
-        self.live = live
-        self._layout = layout
-        self._version = -1
-
-    @property
-    def layout(self) -> Any:
-        return self._layout
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def begin(self, version: int) -> None:
-        if version <= self._version:
-            from rlfleet.weightsync import VersionError
-
-            raise VersionError(f"version {version} is not newer than {self._version}")
-
-    def consume(self, index: int, data: Any) -> None:
-        from rlfleet.weightsync import unpack_bucket_into
-
-        unpack_bucket_into(self._layout, index, data, self.live)
-
-    def commit(self, version: int) -> None:
-        self._version = version
-
-    def abort(self, error: BaseException) -> None:
-        pass
-
-
-# -- memcpy ----------------------------------------------------------------------------------------
+# -- steps -----------------------------------------------------------------------------------------
 def memcpy_gbps(nbytes: int, reps: int) -> float:
     import torch
 
@@ -115,238 +193,142 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-# -- CUDA IPC across two processes -----------------------------------------------------------------
-def _ipc_proc(role: str, cfg: dict[str, Any], path: str, queue: Any) -> None:
-    try:
-        queue.put((role, "ok", _ipc_body(role, cfg, path)))
-    except BaseException as exc:
-        queue.put((role, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
+def ratio(name: str, gbps: float, memcpy: float | None, dry: bool) -> Claim:
+    """A bandwidth over device memcpy (reported, no target yet)."""
+    if dry:
+        return skipped(name, "cpu dry run")
+    if not memcpy:
+        return missed(name, "no device memcpy to compare with")
+    return claim(gbps / memcpy, None, CLAIMS[name][1])
 
 
-def _ipc_body(role: str, cfg: dict[str, Any], path: str) -> dict[str, Any]:
-    import torch
-
-    from rlfleet.weightsync import CudaIpcReceiver, CudaIpcSender, Layout
-
-    backend, device = cfg["backend"], cfg["device"]
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    spec = [(n, tuple(s), d) for n, s, d in cfg["spec"]]
-    versions = cfg["versions"]
-    deadline = cfg["deadline"]
-    if role == "sender":
-        states = [build_state(spec, seed=v, device=device) for v in (1, 2)]
-        layout = Layout.from_state_dict(states[0], cfg["bucket_bytes"])
-        with CudaIpcSender(layout, 1, backend=backend) as sender:
-            tmp = path + ".tmp"
-            with open(tmp, "w") as fh:
-                fh.write(sender.name)
-            os.replace(tmp, path)
-            times = []
-            for v in range(1, versions + 1):
-                t0 = time.perf_counter()
-                sender.send(states[(v - 1) % 2], v, deadline)
-                times.append(time.perf_counter() - t0)
-            return {"times": times, "bytes": layout.padded_bytes, "tensor_bytes": layout.total_bytes}
-    end = time.monotonic() + 120
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            raise TimeoutError("the sender never published its channel name")
-        time.sleep(0.01)
-    with open(path) as fh:
-        name = fh.read()
-    live = build_state(spec, fill=False, device=device)
-    layout = Layout.from_state_dict(live, cfg["bucket_bytes"])
-    consumer = InPlace(live, layout)
-    with CudaIpcReceiver.attach(name, 0) as receiver:
-        for _ in range(versions):
-            receiver.receive(consumer, deadline)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    expected = build_state(spec, seed=(versions - 1) % 2 + 1, device=device)
-    bad = [
-        n
-        for n in expected
-        if not torch.equal(expected[n].view(-1).view(torch.uint8), live[n].view(-1).view(torch.uint8))
-    ]
-    return {"version": consumer.version, "mismatched": bad[:5], "n_mismatched": len(bad)}
-
-
-def run_ipc(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    path = os.path.join(tempfile.mkdtemp(prefix="rlfleet-gpucheck-"), "channel")
-    procs = {
-        r: ctx.Process(target=_ipc_proc, args=(r, cfg, path, queue), daemon=True)
-        for r in ("sender", "reader")
+def ipc_claims(cfg: dict[str, Any], memcpy: float | None, dry: bool) -> dict[str, Claim]:
+    with tempfile.TemporaryDirectory(prefix="rlfleet-gpucheck-") as tmp:
+        cfg = {**cfg, "path": os.path.join(tmp, "channel")}
+        res = run_children({"sender": ipc_sender, "reader": ipc_reader}, cfg, timeout=cfg["timeout"])
+    sender, reader = res["sender"], res["reader"]
+    reps = cfg["reps"]
+    log(f"cuda ipc: reader {reader}")
+    out = {
+        "cuda_ipc_bit_exact": yes(
+            reader["in_place_version"] == reps + 1 and not reader["in_place_mismatched"]
+        ),
+        "cuda_ipc_abort_keeps_previous": yes(
+            sender["aborted"] == "SyncAbortedError"
+            and reader["abort_error"] == "SyncAbortedError"
+            and reader["abort_version"] == reps + 2
+            and not reader["abort_mismatched"]
+        ),
+        "cuda_ipc_double_buffer_bit_exact": yes(
+            reader["double_version"] == 2 * reps + 4 and not reader["double_mismatched"]
+        ),
     }
-    for p in procs.values():
-        p.start()
-    results: dict[str, Any] = {}
-    end = time.monotonic() + timeout
-    try:
-        while len(results) < 2:
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"CUDA IPC processes did not finish within {timeout:.0f}s")
-            try:
-                role, status, value = queue.get(timeout=min(1.0, left))
-            except Exception:
-                dead = [r for r, p in procs.items() if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"CUDA IPC {dead[0]} died (exit {procs[dead[0]].exitcode})") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"CUDA IPC {role} failed:\n{value}")
-            results[role] = value
-            log(f"cuda ipc: {role} finished")
-    finally:
-        for p in procs.values():
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    return results
+    for name, times in (
+        ("cuda_ipc_sync_over_memcpy", sender["in_place"]),
+        ("cuda_ipc_double_buffer_over_memcpy", sender["double"]),
+    ):
+        gbps = sender["tensor_bytes"] / statistics.median(times) / 1e9
+        log(f"cuda ipc: {name} {gbps:.1f} GB/s (tensor bytes / median sync)")
+        out[name] = ratio(name, gbps, memcpy, dry)
+    name = "cuda_ipc_failed_read_settled"
+    out[name] = skipped(name, "host slots") if dry else yes(reader["settled"] is True)
+    return out
 
 
-# -- NCCL, one rank --------------------------------------------------------------------------------
-def nccl_loop(
-    spec: list[tuple[str, tuple[int, ...], str]], bucket: int, reps: int, deadline: float
-) -> dict[str, Any]:
-    import torch
+def nccl_claims(cfg: dict[str, Any], memcpy: float) -> dict[str, Claim]:
+    res = run_children({"nccl": nccl_child}, cfg, timeout=cfg["timeout"])["nccl"]
+    log(f"nccl: {res}")
+    bounded = res["bounded"]
+    return {
+        "nccl_bucket_loop_ok": yes(bool(res["loops"]) and res["loops"][0] and res["untouched"]),
+        "nccl_rebuild_same_name_ok": yes(len(res["loops"]) == 2 and all(res["loops"])),
+        "nccl_init_bounded": yes(bounded["missing"] == [1] and bounded["seconds"] < 30.0),
+        "nccl_loop_over_memcpy": ratio("nccl_loop_over_memcpy", res["gbps"]["packed"], memcpy, False),
+    }
 
-    from rlfleet.weightsync import Layout, NcclSender, NcclWire
 
-    store = torch.distributed.HashStore()
-    wire = NcclWire.create(store, 0, 1, deadline=60.0)
-    try:
-        sd = build_state(spec, seed=1, device="cuda")
-        layout = Layout.from_state_dict(sd, bucket)
-        sender = NcclSender(layout, wire)
-        # force the packing path for every tensor too: direct sends would skip the copies
-        packed = NcclSender(layout, wire, direct_min=1 << 62)
-        out: dict[str, Any] = {}
-        for label, s in (("direct", sender), ("packed", packed)):
-            s.send(sd, 0, deadline)
-            times = []
-            for v in range(1, reps + 1):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                s.send(sd, v, deadline)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            out[label] = layout.total_bytes / statistics.median(times) / 1e9
-        return out
-    finally:
-        wire.close()
+def offload_claims(dry: bool, quick: bool) -> dict[str, Claim]:
+    device = "cpu" if dry else "cuda"
+    res = offload_check(device, 256 if dry else 4096, 8 if dry or quick else 32)
+    log(f"offload: {res}")
+    out = {
+        "offload_reload_bit_exact": yes(not res["mismatched"]),
+        "offload_frees_device_memory": yes(
+            res["emptied"] and (dry or res["allocated_drop"] >= 0.99 * res["moved"])
+        ),
+    }
+    name = "offload_empty_cache_returns_memory"
+    out[name] = skipped(name, "cpu dry run") if dry else yes(res["reserved_drop"] >= 0.5 * res["moved"])
+    return out
 
 
 # -- main ------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 GiB instead of 4 GiB, fewer repeats")
-    ap.add_argument("--json", metavar="PATH", help="write the claims as JSON here")
+def parse(argv: list[str] | None) -> Any:
+    ap = arguments((__doc__ or "").split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.0, help="state dict size in GiB (default 1 quick, 4 full)")
     ap.add_argument("--bucket-mib", type=int, default=512)
-    ap.add_argument("--cpu-dry-run", action="store_true", help="IPC part with host slots on CPU (no GPU)")
-    ap.add_argument("--alarm", type=int, default=540, help="hard limit for the whole script, seconds")
-    args = ap.parse_args(argv)
+    ap.add_argument("--cpu-dry-run", action="store_true", help="IPC (host slots) and offload on the CPU")
+    ap.add_argument("--sync-timeout", type=float, default=120.0, help="deadline of each sync, seconds")
+    ap.add_argument(
+        "--alarm", type=int, default=0, help="hard limit for the whole script (default 280 quick)"
+    )
+    return ap.parse_args(argv)
 
-    def write(claims: dict[str, Any]) -> None:
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(claims, fh, indent=2)
 
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("gpu_check alarm")))
-    signal.alarm(args.alarm)
+    signal.alarm(args.alarm or (280 if args.quick or args.cpu_dry_run else 540))
     try:
         import torch
     except ImportError:
-        log("torch is not installed: skipped")
-        write(skipped_claims("torch missing"))
-        return 0
+        return report({n: skipped(n, "torch missing") for n in CLAIMS}, args.json, title="gpu_check")
     dry = args.cpu_dry_run
     if not dry and not torch.cuda.is_available():
-        log("no CUDA device visible to torch: GPU checks skipped (exit 0)")
-        write(skipped_claims("no CUDA device"))
-        return 0
+        log("no CUDA device visible to torch: GPU checks skipped")
+        return report({n: skipped(n, "no CUDA device") for n in CLAIMS}, args.json, title="gpu_check")
     if not dry:
-        try:
-            import cupy  # noqa: F401
-        except ImportError:
-            log("CuPy is not installed (pip install 'rlfleet-weightsync[cuda12]' or '[cuda13]'): skipped")
-            write(skipped_claims("cupy missing"))
-            return 0
-        log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+        log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cupy {cupy_version()}")
     total = int((args.gib or (0.0625 if dry else (1 if args.quick else 4))) * GiB)
     bucket = min(args.bucket_mib * MiB, max(MiB, total // 4))
-    spec = gpu_model_spec(total)
     reps = 3 if args.quick or dry else 5
-    claims: dict[str, Any] = {}
-    rows: list[tuple[str, float]] = []
-
-    copy_gbps: float | None = None
-    if not dry:
-        log(f"memcpy: {total / GiB:.2f} GiB device-to-device")
-        copy_gbps = memcpy_gbps(total, reps)
-        rows.append(("memcpy (d2d)", copy_gbps))
-
-    log(f"cuda ipc: {total / GiB:.2f} GiB in {bucket // MiB} MiB buckets, {reps + 1} versions, 2 processes")
     cfg = {
         "backend": "host" if dry else "cuda",
         "device": "cpu" if dry else "cuda",
-        "spec": spec,
+        "spec": gpu_model_spec(total),
         "bucket_bytes": bucket,
-        "versions": reps + 1,
-        "deadline": 120.0,
+        "reps": reps,
+        "deadline": args.sync_timeout,
+        "timeout": 150.0 if args.quick or dry else 300.0,
     }
-    ipc_gbps: float | None = None
-    try:
-        res = run_ipc(cfg, timeout=300)
-        times = res["sender"]["times"][1:]  # the first sync pays first-touch costs
-        ipc_gbps = res["sender"]["tensor_bytes"] / statistics.median(times) / 1e9
-        ok_bits = res["reader"]["n_mismatched"] == 0 and res["reader"]["version"] == reps + 1
-        rows.append(("cuda ipc sync", ipc_gbps))
-        log(f"cuda ipc: {ipc_gbps:.1f} GB/s, reader bit-exact: {ok_bits} {res['reader']['mismatched']}")
-        claims["cuda_ipc_bit_exact"] = {"value": ok_bits, "target": True, "unit": "", "ok": ok_bits}
-    except Exception as exc:
-        log(f"cuda ipc FAILED: {exc}")
-        claims["cuda_ipc_error"] = {"value": str(exc)[:500], "target": None, "unit": "", "ok": False}
+    steps = Steps()
+    memcpy: float | None = None
+    if dry:
+        steps.claims.update({n: skipped(n, "cpu dry run") for n in GPU_ONLY})
+    else:
 
-    nccl: dict[str, float] = {}
-    if not dry:
-        log("nccl: one-rank communicator, real API and bucket loop")
-        try:
-            nccl = nccl_loop(spec, bucket, reps, 120.0)
-            rows.append(("nccl loop, large tensors in place", nccl["direct"]))
-            rows.append(("nccl loop, everything packed", nccl["packed"]))
-        except Exception as exc:
-            log(f"nccl FAILED: {exc}")
-            claims["nccl_error"] = {"value": str(exc)[:500], "target": None, "unit": "", "ok": False}
+        def copy_step() -> dict[str, Claim]:
+            nonlocal memcpy
+            memcpy = memcpy_gbps(total, reps)
+            return {"device_memcpy_gbps": claim(memcpy, None, "GB/s")}
 
-    print(f"\n{'path':36s} {'GB/s':>9s} {'x memcpy':>9s}")
-    for label, gbps in rows:
-        ratio = f"{gbps / copy_gbps:9.3f}" if copy_gbps else f"{'-':>9s}"
-        print(f"{label:36s} {gbps:9.1f} {ratio}")
-    if copy_gbps and ipc_gbps:
-        claims["cuda_ipc_over_memcpy"] = _claim(ipc_gbps / copy_gbps, *CLAIMS["cuda_ipc_over_memcpy"])
-    elif dry:
-        claims["cuda_ipc_over_memcpy"] = _claim(None, 0.4, "x", skipped="cpu dry run")
-    else:  # the IPC run failed (see cuda_ipc_error): the claim is a miss, not absent
-        claims["cuda_ipc_over_memcpy"] = _claim(None, *CLAIMS["cuda_ipc_over_memcpy"])
-    if copy_gbps and nccl:
-        claims["nccl_loop_over_memcpy"] = _claim(nccl["packed"] / copy_gbps, *CLAIMS["nccl_loop_over_memcpy"])
-    for name, c in claims.items():
-        print(
-            f"  {name:28s} {c['value']!s:>10} target {c['target']} {c['unit']} {'ok' if c['ok'] else 'MISS'}"
-        )
-    write(claims)
+        steps.run(["device_memcpy_gbps"], copy_step)
+    log(
+        f"cuda ipc: {total / GiB:.2f} GiB in {bucket // MiB} MiB buckets, 2 processes, {cfg['backend']} slots"
+    )
+    steps.run([n for n in CLAIMS if n.startswith("cuda_ipc")], lambda: ipc_claims(cfg, memcpy, dry))
+    if not dry and memcpy is not None:
+        log("nccl: one-rank communicator, real API and bucket loop; bounded init")
+        steps.run([n for n in CLAIMS if n.startswith("nccl")], lambda: nccl_claims(cfg, memcpy or 1.0))
+    log("offload: module, gradients and Adam state")
+    steps.run([n for n in CLAIMS if n.startswith("offload")], lambda: offload_claims(dry, args.quick))
     signal.alarm(0)
-    return 0
+    for name in CLAIMS:  # a claim no step produced (a step that never ran) is a miss, not absent
+        steps.claims.setdefault(name, missed(name, "not run"))
+    code = report({n: steps.claims[n] for n in CLAIMS}, args.json, title="gpu_check")
+    for trace in steps.tracebacks:
+        print(f"\n--- traceback: {trace}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 import weightsync_dist_workers as w
+from ipc_workers import scenario_ipc_leak, scenario_ipc_settle, scenario_ipc_straggler
 
 from rlfleet.weightsync import ControlBlock, CudaIpcReceiver, CudaIpcSender, MetadataError, checksum
 from rlfleet.weightsync._cuda_ipc import _decode_meta
+from rlfleet.weightsync._ipc_control import NUM_SLOTS, READER_WORDS, SLOT_BASE, SLOT_WORDS, control_words
 from rlfleet.weightsync._shm import cleanup_stale_segments
 
 
@@ -68,12 +70,13 @@ def test_attach_to_something_else_fails_clearly() -> None:
 
 
 def test_control_block_word_map_is_disjoint() -> None:
-    cb = ControlBlock(np.zeros(64, dtype=np.int64), 3)
-    words = {cb.slot(j, f) for j in range(2) for f in range(4)} | {
-        cb.reader(i, f) for i in range(3) for f in range(8)
+    cb = ControlBlock(np.zeros(control_words(3), dtype=np.int64), 3)
+    words = {cb.slot(j, f) for j in range(NUM_SLOTS) for f in range(SLOT_WORDS)} | {
+        cb.reader(i, f) for i in range(3) for f in range(READER_WORDS)
     }
-    assert len(words) == 2 * 4 + 3 * 8
-    assert min(words) >= 16
+    assert len(words) == NUM_SLOTS * SLOT_WORDS + 3 * READER_WORDS
+    assert min(words) >= SLOT_BASE
+    assert max(words) < control_words(3)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,55 @@ def test_ipc_reader_killed(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ipc_over_real_cuda_handles(tmp_path: Path) -> None:
+    """On a GPU: the whole two-phase scenario above (versions, checksums, a stale version, a
+    layout mismatch, a failing consumer) over real cudaMalloc slots shared by IPC handle,
+    opened through CuPy and seen by torch through DLPack; every reader ends bit-exact."""
     pytest.importorskip("cupy")
     results = w.run_ranks(w.scenario_ipc, 3, str(tmp_path / "name"), "cuda", timeout=180.0)
     for rank in (1, 2):
         assert results[rank]["v3"]["checksum"] == _expected(3)
+
+
+@pytest.mark.timeout(120)
+def test_a_straggler_of_an_aborted_version_reads_its_own_bytes(tmp_path: Path) -> None:
+    """Version 2 times out on the sender while the reader is still reading slot 0; version 3
+    starts at once but rewrites no slot until that read is over."""
+    results = w.run_ranks(scenario_ipc_straggler, 2, str(tmp_path / "name"), timeout=90.0)
+    sender, reader = results[0], results[1]
+    assert sender["v1"]["ok"], sender["v1"]
+    assert sender["v2"]["type"] == "SyncTimeoutError", sender["v2"]
+    assert sender["v3"]["ok"], sender["v3"]
+    assert reader["v2"]["type"] == "SyncAbortedError", reader["v2"]
+    assert reader["seen"] == reader["expected"], "the straggler read version 3's bytes in version 2's slot"
+    assert reader["v3"]["ok"], reader["v3"]
+    assert reader["applied"] == 3
+    assert reader["checksum"] == _expected(3)
+
+
+@pytest.mark.timeout(120)
+def test_slots_a_live_reader_still_maps_are_leaked_not_freed(tmp_path: Path) -> None:
+    results = w.run_ranks(scenario_ipc_leak, 2, str(tmp_path / "name"), timeout=90.0)
+    sender, reader = results[0], results[1]
+    assert sender["type"] == "SlotsStillMappedError", sender
+    assert sender["readers"] == [0]
+    assert "leaked" in sender["message"]
+    assert reader["next"]["type"] == "PeerLostError", reader["next"]
+    assert reader["readable"] is True, "the reader's mapping still holds version 1"
+    assert reader["applied"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_failed_reader_settles_the_device_before_releasing_a_slot(tmp_path: Path) -> None:
+    """On a GPU: the consumer queues a read of slot 0 on a side stream behind a one-second GPU
+    spin and then fails; the receiver must synchronize the whole device before it acknowledges
+    (else the sender's next version rewrites slot 0 under that read). The read sees version 1."""
+    pytest.importorskip("cupy")
+    results = w.run_ranks(scenario_ipc_settle, 2, str(tmp_path / "name"), timeout=180.0)
+    sender, reader = results[0], results[1]
+    assert sender["v1"]["type"] == "SyncAbortedError", sender["v1"]
+    assert sender["v2"]["ok"], sender["v2"]
+    assert reader["seen"] == reader["expected"]
+    assert reader["v2"]["ok"], reader["v2"]
+    assert reader["checksum"] == _expected(2)

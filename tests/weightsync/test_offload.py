@@ -127,10 +127,39 @@ def test_shared_memory_weights_are_skipped_not_copied() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 def test_cuda_offload_to_pinned_host_memory() -> None:  # pragma: no cover - GPU only
-    net = Net().cuda()
+    """On a GPU: storages go to pinned host memory and their device memory is freed; with
+    `empty_cache` it also leaves torch's cache (a colocated process can allocate it); reload
+    is bit-exact."""
+    net = torch.nn.Linear(4096, 4096).cuda()  # a 64 MiB weight: a cache segment of its own
     before = checksum(net.state_dict())
-    free_before = torch.cuda.memory_allocated()
-    offload_module(net)
-    assert torch.cuda.memory_allocated() < free_before
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    stats = offload_module(net, empty_cache=True)
+    assert torch.cuda.memory_allocated() <= allocated - stats.nbytes
+    assert reserved - torch.cuda.memory_reserved() >= net.weight.numel() * 4, (
+        "the weight's segment left the cache"
+    )
     reload_module(net)
     assert checksum(net.state_dict()) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [0, 1])
+def test_offload_waits_for_writes_queued_on_any_stream_of_any_device(index: int) -> None:
+    """On a GPU (and on a second one): a parameter written on a side stream of its device,
+    behind a GPU spin, just before the offload comes back with that write, while cuda:0 is
+    the current device. Offload synchronizes every device it copies from, all streams (the old
+    code copied on the current stream at once and synchronized the current device only)."""
+    if torch.cuda.device_count() <= index:
+        pytest.skip(f"needs {index + 1} CUDA device(s)")
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", index)
+    net = Net().to(device)
+    torch.cuda.synchronize(device)
+    side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]
+        net.body.weight.data.fill_(0.25)
+    offload_module(net)
+    reload_module(net)
+    assert bool((net.body.weight == 0.25).all())

@@ -1,17 +1,24 @@
-"""Rendezvous: a store that listens on one address only, and group check-ins named by a key."""
+"""Rendezvous: a store that listens on one address only, group check-ins named by a key, and
+joins under fresh generations that stale or foreign keys cannot stand in for."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import threading
+import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 import weightsync_dist_workers as w
 from member_workers import scenario_group_key
+from rendezvous_workers import scenario_member_spoofed, scenario_member_stale
+from torch._C._distributed_c10d import HashStore
 
 from rlfleet.weightsync import RendezvousTimeoutError, connect_store, host_store
+from rlfleet.weightsync._rendezvous import join_generation
 
 LISTEN = "0A"
 
@@ -104,3 +111,63 @@ def test_group_key_and_reset_group_numbering() -> None:
         # without a key the counters disagree (0 and 1 counted the first world's group)
         assert got["counted"]["type"] == "RendezvousTimeoutError", got["counted"]
         assert got["reset"] == (2.0 if rank < 2 else 1.0)  # after reset_group_numbering they agree
+
+
+# -- generations: stale and foreign check-in keys ------------------------------------------------
+def test_a_rejoin_gets_a_new_generation_and_a_late_rank_is_not_split_off() -> None:
+    """Threads on one store: a second join of a prefix agrees on a newer generation even when
+    one rank comes late (the lead first reads that rank's check-in from the first join)."""
+    store = HashStore()
+
+    def join_all(delays: dict[int, float]) -> dict[int, Any]:
+        out: dict[int, Any] = {}
+
+        def one(rank: int) -> None:
+            time.sleep(delays.get(rank, 0.0))
+            out[rank] = join_generation(store, "t", rank, range(3), 30.0, "test", payload=lambda: "p")
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60.0)
+        return out
+
+    first = join_all({})
+    second = join_all({2: 0.5})
+    assert len({r.generation for r in first.values()}) == 1
+    assert len({r.generation for r in second.values()}) == 1
+    assert second[0].generation > first[0].generation
+    assert {r.payload for r in second.values()} == {"p"}
+
+
+def test_a_foreign_check_in_key_is_named_not_trusted() -> None:
+    store = HashStore()
+    store.set("t/nonce/1", "not-a-rank")
+    with pytest.raises(RendezvousTimeoutError, match="did not acknowledge generation") as caught:
+        join_generation(store, "t", 0, range(2), 1.0, "test")
+    assert caught.value.missing == [1]
+
+
+@pytest.mark.timeout(150)
+def test_a_rebuilt_member_group_names_the_member_that_stayed_away() -> None:
+    """Issue 15 item 16: rank 2's keys from the first build are stale in the rebuild."""
+    results = w.run_ranks(scenario_member_stale, 3, timeout=120.0)
+    for rank in (0, 1):
+        got = results[rank]
+        assert got["first"] == 3.0
+        assert got["rebuild"]["type"] == "RendezvousTimeoutError", got["rebuild"]
+        assert got["rebuild"]["missing"] == [2], got["rebuild"]
+        assert got["rebuild"]["seconds"] < 20.0
+        assert got["again"] == 2.0, "the store and the survivors stay usable"
+
+
+@pytest.mark.timeout(150)
+def test_a_spoofed_check_in_key_is_named_not_a_raw_store_error() -> None:
+    results = w.run_ranks(scenario_member_spoofed, 3, timeout=120.0)
+    for rank in (0, 1):
+        got = results[rank]["spoofed"]
+        assert got["type"] == "RendezvousTimeoutError", got
+        assert got["missing"] == [2], got
+        assert "DistStoreError" not in got["message"]
+        assert got["seconds"] < 20.0

@@ -28,6 +28,7 @@ from rlfleet.weightsync._errors import (
     MetadataError,
     PartialLoadError,
     PeerLostError,
+    SlotsStillMappedError,
     SyncAbortedError,
     SyncTimeoutError,
     VersionError,
@@ -59,10 +60,12 @@ from rlfleet.weightsync._packing import (
 from rlfleet.weightsync._protocol import BucketConsumer
 from rlfleet.weightsync._rendezvous import (
     RendezvousTimeoutError,
+    Roster,
     check_in,
     connect_store,
     host_store,
     init_process_group_bounded,
+    join_generation,
     new_group_bounded,
     reset_group_numbering,
 )
@@ -218,4 +221,7 @@ __all__ = [
     "full_tensors",
     "layout_entries",
     "plan_transforms",
+    "Roster",
+    "SlotsStillMappedError",
+    "join_generation",
 ]

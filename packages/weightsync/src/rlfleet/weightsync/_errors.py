@@ -63,3 +63,15 @@ class PartialLoadError(WeightSyncError):
         super().__init__(message)
         self.version = version
         self.mode = mode
+
+
+class SlotsStillMappedError(WeightSyncError):
+    """A CUDA IPC sender closed while live readers still mapped its GPU slots.
+
+    Freeing GPU memory that another process still maps is undefined in CUDA, so the slots were
+    leaked (kept allocated for the life of the sender process) instead; `readers` names them.
+    """
+
+    def __init__(self, message: str, readers: list[int]) -> None:
+        super().__init__(message)
+        self.readers = list(readers)

@@ -8,9 +8,9 @@ processes (a trainer that joins two rollout groups as they come up). A `MemberGr
 by its members alone, from a store and a name they agree on, and needs no default group at all
 (``dist.is_initialized()`` may be False, or the process may belong to some other world).
 
-Before the group is built every member checks in through the store (`check_in`), so a member
-that never comes is named in a `RendezvousTimeoutError` within the timeout instead of leaving
-the others inside gloo's (or NCCL's) connect.
+Before the group is built every member joins a fresh generation through the store
+(`join_generation`), so a member that never comes is named in a `RendezvousTimeoutError` within
+the timeout instead of leaving the others inside gloo's (or NCCL's) connect.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch._C import _distributed_c10d as _c10d
 from torch._C._distributed_c10d import Store
 
 from rlfleet.weightsync._deadline import Deadline
-from rlfleet.weightsync._rendezvous import check_in
+from rlfleet.weightsync._rendezvous import build_group, generation_store, join_generation
 
 __all__ = ["MemberGroup"]
 
@@ -56,10 +56,11 @@ class MemberGroup:
     ) -> MemberGroup:
         """Join the group named `prefix` in `store` as member `rank` of `size`.
 
-        Every member calls it with the same `prefix` and `size` (a name used once per store:
-        its check-in keys stay in the store). Within `timeout_s` every member must have checked
-        in, or this raises `RendezvousTimeoutError` naming the member ranks that did not;
-        `timeout_s` is also the group's own timeout for each collective.
+        Every member calls it with the same `prefix` and `size`; a name may be joined again on
+        the same store (each join builds under a fresh generation, so an earlier join's keys are
+        never read). Within `timeout_s` every member must have joined, or this raises
+        `RendezvousTimeoutError` naming the member ranks that did not (a stale or foreign check-in
+        key included); `timeout_s` is also the group's own timeout for each collective.
         """
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"member group prefix must be a non-empty string, got {prefix!r}")
@@ -72,15 +73,18 @@ class MemberGroup:
         if not timeout_s > 0:
             raise ValueError(f"member group {prefix!r}: timeout_s must be > 0, got {timeout_s!r}")
         base = f"rlfleet/member/{prefix}"
-        check_in(store, f"{base}/join", rank, range(size), Deadline(timeout_s), f"member group {prefix!r}")
-        scoped = _c10d.PrefixStore(f"{base}/pg/", store)
-        if backend == "gloo":
-            pg: Any = _c10d.ProcessGroupGloo(scoped, rank, size, timedelta(seconds=timeout_s))
-        else:  # pragma: no cover - needs GPUs
-            options = _c10d.ProcessGroupNCCL.Options()
+        what = f"member group {prefix!r}"
+        roster = join_generation(store, base, rank, range(size), Deadline(timeout_s), what)
+        scoped = generation_store(store, base, roster)  # never an earlier generation's keys
+
+        def build() -> Any:
+            if backend == "gloo":
+                return _c10d.ProcessGroupGloo(scoped, rank, size, timedelta(seconds=timeout_s))
+            options = _c10d.ProcessGroupNCCL.Options()  # pragma: no cover - needs GPUs
             options._timeout = timedelta(seconds=timeout_s)
-            pg = _c10d.ProcessGroupNCCL(scoped, rank, size, options)
-        return cls(pg, prefix, rank, size, backend)
+            return _c10d.ProcessGroupNCCL(scoped, rank, size, options)
+
+        return cls(build_group(build, what, roster), prefix, rank, size, backend)
 
     @property
     def rank(self) -> int:

@@ -1,67 +1,39 @@
 """NCCL through CuPy (cross-node GPU), speaking the same protocol as `_dist.py`.
 
-A `NcclWire` is a `cupy.cuda.nccl.NcclCommunicator` built from a unique id that rank 0 puts in
-a `torch.distributed.TCPStore` (after a bounded check-in that names missing ranks, see
-`_rendezvous.py`). Collectives run on a side stream, ordered after the work already queued on
-the caller's stream (so packing bucket k+1 on the caller's stream overlaps bucket k on the
-wire), and each one records an event. Waits poll that event against the sync's deadline; at the
-deadline the communicator is aborted (a stuck NCCL kernel otherwise never returns) and the wait
-raises SyncTimeoutError. Header, negotiation, control words, double-buffered buckets and the
-two-phase commit are `_wire.py`, shared with the torch.distributed transport.
+A `NcclWire` is a `cupy.cuda.nccl.NcclCommunicator` built from a unique id that the source
+rank publishes in a `torch.distributed` store with a fresh generation of the group's name, and
+whose init is bounded by the caller's deadline (`_nccl_init`). Header, negotiation, control
+words, double-buffered buckets and the two-phase commit are `_wire.py`, shared with the
+torch.distributed transport.
+
+Stream contract. Every collective runs on the wire's own side stream, after the work already
+queued on the caller's current stream of the wire's device (``wait_stream``): a tensor written
+there (packing bucket k+1, or the caller's own writes) is complete before NCCL reads it, and
+packing bucket k+1 overlaps bucket k on the wire. Work the caller queued on *other* streams is
+not waited for: synchronize it with the current stream first. Each collective records an event;
+a wait polls it against the sync's deadline (at the deadline the communicator is aborted, since
+a stuck NCCL kernel never returns, and the wait raises SyncTimeoutError), then makes the
+caller's current stream wait on it, so received bytes are ordered before later work on that
+stream only; a consumer reading them on another stream synchronizes itself.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rlfleet.weightsync._cupy import import_nccl
+from rlfleet.weightsync._cupy import import_cupy, import_nccl
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._dist import _WireBase
-from rlfleet.weightsync._errors import MetadataError, PeerLostError, SyncTimeoutError
-from rlfleet.weightsync._json import decode_json
+from rlfleet.weightsync._errors import PeerLostError, SyncTimeoutError
 from rlfleet.weightsync._layout import Layout
-from rlfleet.weightsync._rendezvous import RendezvousTimeoutError, check_in
+from rlfleet.weightsync._nccl_init import decode_unique_id, encode_unique_id, join_communicator
 from rlfleet.weightsync._wire import DEFAULT_DIRECT_MIN_BYTES, ProtocolReceiver, ProtocolSender
 
 __all__ = ["NcclReceiver", "NcclSender", "NcclWire", "decode_unique_id", "encode_unique_id"]
-
-
-def encode_unique_id(uid: Any) -> str:
-    """A NCCL unique id as JSON text.
-
-    CuPy's ``nccl.get_unique_id()`` returns a tuple of 128 C ``char`` values (signed on x86-64,
-    unsigned on aarch64); raw bytes are accepted too. Either form decodes back unchanged.
-    """
-    if isinstance(uid, (bytes, bytearray)):
-        return json.dumps({"b64": base64.b64encode(bytes(uid)).decode()})
-    return json.dumps({"ints": [int(x) for x in uid]})
-
-
-def decode_unique_id(text: str | bytes) -> bytes | tuple[int, ...]:
-    """Inverse of `encode_unique_id`; malformed input raises MetadataError."""
-    data = decode_json(text, "NCCL unique id")
-    if isinstance(data, dict) and isinstance(data.get("b64"), str):
-        try:
-            raw = base64.b64decode(data["b64"], validate=True)
-        except ValueError as exc:  # binascii.Error
-            raise MetadataError(f"NCCL unique id is not valid base64: {exc}") from None
-        if len(raw) != 128:
-            raise MetadataError(f"NCCL unique id must be 128 bytes, got {len(raw)}")
-        return raw
-    ints = data.get("ints") if isinstance(data, dict) else None
-    if (
-        isinstance(ints, list)
-        and len(ints) == 128
-        and all(isinstance(x, int) and -128 <= x < 256 for x in ints)
-    ):
-        return tuple(ints)
-    raise MetadataError("NCCL unique id must be {'b64': ...} or {'ints': [128 ints]}")
 
 
 def _cuda_device(device: str | torch.device | int | None) -> torch.device:
@@ -73,20 +45,6 @@ def _cuda_device(device: str | torch.device | int | None) -> torch.device:
     if dev.type != "cuda":
         raise ValueError(f"the NCCL transport needs a cuda device, got {dev}")
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-def _communicator(nccl: Any, world_size: int, uid: bytes | tuple[int, ...], rank: int) -> Any:
-    """``NcclCommunicator(ndev, commId, rank)``: CuPy types `commId` as a tuple of 128 C chars.
-
-    Bytes are refused there (TypeError), and each item must fit this platform's ``char``: signed
-    on x86-64, unsigned on aarch64. The id is tried signed, then unsigned; a value that does not
-    fit raises OverflowError while CuPy copies the id, before ``ncclCommInitRank`` runs.
-    """
-    raw = bytes(x & 0xFF for x in uid)
-    try:
-        return nccl.NcclCommunicator(world_size, tuple(b - 256 if b >= 128 else b for b in raw), rank)
-    except OverflowError:
-        return nccl.NcclCommunicator(world_size, tuple(raw), rank)
 
 
 class _NcclPending:
@@ -136,27 +94,21 @@ class NcclWire(_WireBase):
     ) -> NcclWire:
         """Rendezvous through `store` (a torch.distributed Store) and build the communicator.
 
-        Every rank checks in first (a missing rank is named within the deadline), then rank
-        `src` publishes a fresh unique id and every rank joins the communicator.
+        Every rank joins a fresh generation of group `name` (a missing rank is named within the
+        deadline), rank `src` publishes a fresh unique id with it, and every rank builds the
+        communicator, bounded by the same deadline (`_nccl_init`). Rebuilding on the same store
+        and name is safe: it never reads an earlier generation's id.
         """
         nccl = import_nccl()
         deadline = Deadline.coerce(deadline)
         dev = _cuda_device(device)
-        prefix = f"rlfleet/nccl/{name}"
-        check_in(store, f"{prefix}/join", rank, range(world_size), deadline, f"NCCL group {name!r}")
-        key = f"{prefix}/uid"
-        if rank == src:
-            store.set(key, encode_unique_id(nccl.get_unique_id()))
-        backoff = Backoff(initial=1e-3, maximum=50e-3)
-        while not store.check([key]):
-            if deadline.expired:
-                raise RendezvousTimeoutError(
-                    f"NCCL group {name!r}: rank {src} never published the unique id", [src]
-                )
-            backoff.sleep(deadline.remaining())
-        uid = decode_unique_id(store.get(key))
-        with torch.cuda.device(dev):  # the communicator binds to the current device
-            comm = _communicator(nccl, world_size, uid, rank)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+
+        def bind() -> None:  # on the init thread: NCCL binds the communicator to its current device
+            torch.cuda.set_device(index)
+            import_cupy().cuda.runtime.setDevice(index)
+
+        comm = join_communicator(nccl, store, name, rank, world_size, src, deadline, bind)
         return cls(comm, rank, world_size, src, dev)
 
     def _launch(self, tensor: torch.Tensor, op: str) -> _NcclPending:

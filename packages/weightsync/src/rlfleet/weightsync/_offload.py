@@ -9,6 +9,14 @@ Touching an offloaded tensor raises (its storage is empty) instead of reading st
 
 Storages that cannot be resized (tensors over shared memory or numpy, e.g. a module bound to a
 `SharedBuffer`) hold no private memory and are skipped.
+
+Stream contract: offload synchronizes every CUDA device it copies from or to (all streams of
+each, not only the current device's current stream) before it copies, so writes the caller
+queued on any stream are in the copy, and again after, so the host copy is complete before
+anyone reads it and before the device storage is freed. Reload synchronizes every device it
+copied to before it returns: the tensors are usable from any stream. ``empty_cache=True``
+returns the freed blocks of torch's caching allocator to the driver, for a colocated process
+(a rollout engine on the same GPU) that allocates outside this process's cache.
 """
 
 from __future__ import annotations
@@ -59,38 +67,59 @@ def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return flat
 
 
+def _synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait for every stream of each distinct CUDA device among `devices`."""
+    for device in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(device)
+
+
+def _private_storages(tensors: Iterable[torch.Tensor], stats: OffloadStats) -> list[torch.UntypedStorage]:
+    """Each distinct non-empty storage once; storages that cannot be resized are counted as skipped."""
+    out: list[torch.UntypedStorage] = []
+    seen: set[tuple[torch.device, int]] = set()
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        if storage.resizable():
+            out.append(storage)
+        else:
+            stats.skipped += 1
+    return out
+
+
 def _offload(
-    owner: object, tensors: Iterable[torch.Tensor], device: str | torch.device, pin_memory: bool | None
+    owner: object,
+    tensors: Iterable[torch.Tensor],
+    device: str | torch.device,
+    pin_memory: bool | None,
+    empty_cache: bool,
 ) -> OffloadStats:
     stats = OffloadStats()
     if owner in _offloaded:
         return stats  # already offloaded: nothing left to move
     target = torch.device(device)
     pin = _pin_default(target) if pin_memory is None else pin_memory
+    storages = _private_storages(tensors, stats)
+    devices = [s.device for s in storages] + [target]
+    pinned = pin and target.type == "cpu"
     saved: list[_Saved] = []
-    seen: set[int] = set()
     with torch.no_grad():
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
+        _synchronize(devices)  # writes queued on any stream land before the copy reads
+        for storage in storages:
             nbytes = storage.nbytes()
-            if key in seen or nbytes == 0:
-                continue
-            seen.add(key)
-            if not storage.resizable():
-                stats.skipped += 1
-                continue
-            copy = torch.empty(
-                nbytes, dtype=torch.uint8, device=target, pin_memory=pin and target.type == "cpu"
-            )
+            copy = torch.empty(nbytes, dtype=torch.uint8, device=target, pin_memory=pinned)
             copy.copy_(_flat_bytes(storage), non_blocking=pin)
             saved.append(_Saved(storage, copy, nbytes))
-        if pin and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _synchronize(devices)  # every copy done before host reads and before the storages go
         for item in saved:
             item.storage.resize_(0)
             stats.storages += 1
             stats.nbytes += item.nbytes
+    if empty_cache and any(d.type == "cuda" for d in devices):
+        torch.cuda.empty_cache()
     _offloaded[owner] = saved
     return stats
 
@@ -106,8 +135,7 @@ def _reload(owner: object) -> OffloadStats:
             _flat_bytes(item.storage).copy_(item.copy, non_blocking=item.copy.is_pinned())
             stats.storages += 1
             stats.nbytes += item.nbytes
-        if any(item.storage.device.type == "cuda" for item in saved):
-            torch.cuda.synchronize()
+        _synchronize([d for item in saved for d in (item.storage.device, item.copy.device)])
     return stats
 
 
@@ -129,13 +157,15 @@ def offload_module(
     grads: bool = True,
     buffers: bool = True,
     pin_memory: bool | None = None,
+    empty_cache: bool = False,
 ) -> OffloadStats:
     """Move a module's parameters (and grads, buffers) to `device` and free their memory.
 
     `pin_memory` defaults to True when offloading to CPU on a machine with CUDA. A second
-    offload before `reload_module` is a no-op.
+    offload before `reload_module` is a no-op. `empty_cache` hands the freed GPU memory back to
+    the driver (for a colocated process), not only to this process's caching allocator.
     """
-    return _offload(module, _module_tensors(module, grads, buffers), device, pin_memory)
+    return _offload(module, _module_tensors(module, grads, buffers), device, pin_memory, empty_cache)
 
 
 def reload_module(module: torch.nn.Module) -> OffloadStats:
@@ -153,10 +183,14 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def offload_optimizer(
-    optimizer: torch.optim.Optimizer, device: str | torch.device = "cpu", *, pin_memory: bool | None = None
+    optimizer: torch.optim.Optimizer,
+    device: str | torch.device = "cpu",
+    *,
+    pin_memory: bool | None = None,
+    empty_cache: bool = False,
 ) -> OffloadStats:
     """Move the optimizer's state tensors (moments, steps) to `device` and free their memory."""
-    return _offload(optimizer, _optimizer_tensors(optimizer), device, pin_memory)
+    return _offload(optimizer, _optimizer_tensors(optimizer), device, pin_memory, empty_cache)
 
 
 def reload_optimizer(optimizer: torch.optim.Optimizer) -> OffloadStats:

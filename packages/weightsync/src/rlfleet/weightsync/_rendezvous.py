@@ -7,6 +7,11 @@ complaint with NCCL group setup). Here each member first writes a per-rank key i
 at the deadline the error lists the ranks whose keys are missing. Only then is the group (or
 communicator) created, when everyone is known to be there.
 
+A prefix that is joined more than once (a group rebuilt on the same store and name, which is
+what our own errors advise) must not trust keys an earlier join left behind, nor keys someone
+else wrote: `join_generation` gives every join a fresh generation, agreed by every rank through
+random nonces, and the group then builds under ``f"{prefix}/{generation}/"``.
+
 The store itself listens on one address (`host_store`): torch's own ``TCPStore(host, port,
 is_master=True)`` listens on every interface whatever `host` says, which exposes an
 unauthenticated key-value store to the whole network when the caller meant loopback.
@@ -16,29 +21,40 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
+import secrets
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store, TCPStore
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from rlfleet.weightsync._deadline import Backoff, Deadline
-from rlfleet.weightsync._errors import SyncTimeoutError
+from rlfleet.weightsync._errors import MetadataError, SyncTimeoutError, WeightSyncError
+from rlfleet.weightsync._json import decode_json
 
 __all__ = [
     "RendezvousTimeoutError",
+    "Roster",
+    "build_group",
     "check_in",
     "connect_store",
+    "generation_store",
     "host_store",
     "init_process_group_bounded",
+    "join_generation",
     "new_group_bounded",
     "reset_group_numbering",
 ]
 
 DEFAULT_GROUP_TIMEOUT_S = 300.0
+
+_T = TypeVar("_T")
 
 
 class RendezvousTimeoutError(SyncTimeoutError):
@@ -146,7 +162,9 @@ def check_in(
 ) -> None:
     """Announce `rank` under `prefix` and wait until every rank in `ranks` has announced itself.
 
-    At the deadline, raise RendezvousTimeoutError naming the ranks that never checked in.
+    At the deadline, raise RendezvousTimeoutError naming the ranks that never checked in. The
+    keys are fixed per prefix, so a key left by an earlier check-in counts: use a prefix once
+    per store, or `join_generation` where a prefix may be joined again.
     """
     deadline = Deadline.coerce(deadline)
     store.set(f"{prefix}/{rank}", "1")
@@ -173,6 +191,190 @@ def check_in(
         backoff.sleep(deadline.remaining())
 
 
+@dataclass(frozen=True)
+class Roster:
+    """What the ranks of one `join_generation` agreed on."""
+
+    #: Never used before by a join of the same prefix in the same store (the store's counter).
+    generation: int
+    #: What the lead published with this generation (e.g. an NCCL unique id), or None.
+    payload: str | None
+
+
+class _Join:
+    """One rank's side of `join_generation` (keys, reads, and the errors that name ranks)."""
+
+    def __init__(
+        self, store: Store, prefix: str, rank: int, ranks: list[int], lead: int, deadline: Deadline, what: str
+    ) -> None:
+        self.store, self.prefix, self.rank, self.ranks = store, prefix, rank, ranks
+        self.lead, self.deadline, self.what = lead, deadline, what
+        self.nonce = secrets.token_hex(16)  # this join's check-in: no earlier or foreign key matches it
+        self.unconfirmed = [r for r in ranks if r != rank]
+        self.backoff = Backoff(initial=1e-3, maximum=50e-3)
+
+    def nonce_key(self, rank: int) -> str:
+        return f"{self.prefix}/nonce/{rank}"
+
+    def ack_key(self, generation: int, rank: int) -> str:
+        return f"{self.prefix}/{generation}/ack/{rank}"
+
+    def read(self, key: str) -> str | None:
+        if not self.store.check([key]):
+            return None
+        return bytes(self.store.get(key)).decode("utf-8", "replace")
+
+    def wait(self, missing: list[int], doing: str) -> None:
+        """Sleep a little, or raise RendezvousTimeoutError naming `missing` at the deadline."""
+        self.unconfirmed = missing
+        if self.deadline.expired:
+            raise RendezvousTimeoutError(
+                f"{self.what}: rank(s) {missing} {doing} within {self.deadline.elapsed:.1f}s "
+                f"(rank {self.rank} waiting)",
+                missing,
+            )
+        self.backoff.sleep(self.deadline.remaining())
+
+    def run_lead(self, payload: Callable[[], str] | None) -> Roster:
+        """Publish rosters until every rank acknowledged one with its own nonce, then say go."""
+        data = None if payload is None else payload()
+        others = [r for r in self.ranks if r != self.rank]
+        while absent := [r for r in others if not self.store.check([self.nonce_key(r)])]:
+            self.wait(absent, "did not check in")
+        while True:
+            nonces = {r: self.read(self.nonce_key(r)) or "" for r in others}
+            nonces[self.rank] = self.nonce
+            generation = int(self.store.add(f"{self.prefix}/generation", 1))
+            roster = {"generation": generation, "nonces": {str(r): n for r, n in nonces.items()}}
+            self.store.set(f"{self.prefix}/roster", json.dumps({**roster, "payload": data}))
+            self.store.set(self.ack_key(generation, self.rank), self.nonce)
+            rechecked = self._acknowledged(generation, nonces, others)
+            if not rechecked:
+                self.store.set(f"{self.prefix}/{generation}/go", self.nonce)
+                return Roster(generation, data)
+            # those ranks replaced a stale nonce after it was read: publish a new generation
+            self.wait(rechecked, "checked in again but acknowledged no generation")
+
+    def _acknowledged(self, generation: int, nonces: dict[int, str], others: list[int]) -> list[int]:
+        """Wait until every rank acknowledged `generation` ([]), or return those that checked in anew."""
+        pending = others
+        while pending := [r for r in pending if self.read(self.ack_key(generation, r)) != nonces[r]]:
+            rechecked = [r for r in pending if self.read(self.nonce_key(r)) != nonces[r]]
+            if rechecked:
+                return rechecked
+            doing = f"did not acknowledge generation {generation} (stale or foreign check-in keys?)"
+            self.wait(pending, doing)
+        return []
+
+    def run_follower(self) -> Roster:
+        """Acknowledge the newest roster that carries this rank's nonce; return once it says go."""
+        acked: dict[str, Any] | None = None
+        while True:
+            roster = self._roster()
+            if roster is not None and (acked is None or roster["generation"] != acked["generation"]):
+                self.store.set(self.ack_key(roster["generation"], self.rank), self.nonce)
+                acked = roster
+                self.backoff.reset()
+            if acked is not None and self.store.check([f"{self.prefix}/{acked['generation']}/go"]):
+                return Roster(acked["generation"], acked["payload"])
+            self.wait(*self._follower_missing(acked))
+
+    def _roster(self) -> dict[str, Any] | None:
+        """The published roster if it is well formed and names this rank's nonce, else None."""
+        raw = self.read(f"{self.prefix}/roster")
+        if raw is None:
+            return None
+        try:
+            data = decode_json(raw, "rendezvous roster")
+        except MetadataError:
+            return None  # not a roster of ours: keep waiting for the lead's
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("generation"), int)
+            or not isinstance(data.get("nonces"), dict)
+            or not isinstance(data.get("payload"), (str, type(None)))
+            or data["nonces"].get(str(self.rank)) != self.nonce
+        ):
+            return None
+        return data
+
+    def _follower_missing(self, acked: dict[str, Any] | None) -> tuple[list[int], str]:
+        if acked is None:
+            absent = [r for r in self.ranks if r != self.rank and not self.store.check([self.nonce_key(r)])]
+            if absent:
+                return absent, "did not check in"
+            return [self.lead], "(the lead) published no roster with this rank's check-in"
+        generation, nonces = acked["generation"], acked["nonces"]
+        silent = [
+            r
+            for r in self.ranks
+            if r != self.rank and self.read(self.ack_key(generation, r)) != nonces.get(str(r))
+        ]
+        if silent:
+            return silent, f"did not acknowledge generation {generation}"
+        return [self.lead], f"(the lead) never confirmed generation {generation}"
+
+
+def join_generation(
+    store: Store,
+    prefix: str,
+    rank: int,
+    ranks: Sequence[int],
+    deadline: Deadline | float | None,
+    what: str = "rendezvous",
+    *,
+    lead: int | None = None,
+    payload: Callable[[], str] | None = None,
+) -> Roster:
+    """Check in under `prefix` for a fresh generation that every rank in `ranks` agrees on.
+
+    Every rank writes a fresh random nonce; the lead (the lowest rank unless given) publishes a
+    roster (a new generation from the store's counter, each rank's nonce, and `payload()`,
+    computed once on the lead) and says go once every rank acknowledged it with its own nonce.
+    A check-in key left by an earlier join of this prefix, or written by anyone else, carries a
+    nonce that no rank acknowledges: the join fails at the deadline with RendezvousTimeoutError
+    naming that rank, rather than going ahead without it; a rank that checks in after its stale
+    key was read gets a new generation. Build the group under ``f"{prefix}/{generation}/"``
+    so that a rebuild never reads keys of an earlier one.
+    """
+    members = [int(r) for r in ranks]
+    lead = min(members, default=rank) if lead is None else lead
+    if len(set(members)) != len(members) or rank not in members or lead not in members:
+        raise ValueError(f"{what}: rank {rank} and lead {lead} must be among distinct ranks {members}")
+    join = _Join(store, prefix, rank, members, lead, Deadline.coerce(deadline), what)
+    try:
+        store.set(join.nonce_key(rank), join.nonce)
+        return join.run_lead(payload) if rank == lead else join.run_follower()
+    except WeightSyncError:
+        raise
+    except RuntimeError as exc:  # DistStoreError / DistNetworkError: the store failed or closed
+        raise RendezvousTimeoutError(
+            f"{what}: the rendezvous store failed while rank {rank} waited for rank(s) "
+            f"{join.unconfirmed} ({exc})",
+            join.unconfirmed,
+        ) from exc
+
+
+def generation_store(store: Store, prefix: str, roster: Roster) -> Store:
+    """The keys of one generation's group: ``f"{prefix}/{generation}/pg/"`` in `store`."""
+    return PrefixStore(f"{prefix}/{roster.generation}/pg/", store)
+
+
+def build_group(build: Callable[[], _T], what: str, roster: Roster) -> _T:
+    """Run a group's own connect after `join_generation`; its store or connect errors (a rank
+    that died after joining) become RendezvousTimeoutError instead of a raw DistStoreError."""
+    try:
+        return build()
+    except WeightSyncError:
+        raise
+    except RuntimeError as exc:  # DistStoreError / DistNetworkError / gloo's connect errors
+        raise RendezvousTimeoutError(
+            f"{what}: every rank joined generation {roster.generation}, but building the group "
+            f"failed (a rank may have died since it joined): {exc}",
+            [],
+        ) from exc
+
+
 def init_process_group_bounded(
     backend: str,
     init_method: str,
@@ -183,15 +385,25 @@ def init_process_group_bounded(
 ) -> TCPStore:
     """`dist.init_process_group` that fails within `join_timeout` naming the ranks that did not join.
 
-    Rank 0 hosts a TCPStore at `init_method` (tcp://HOST:PORT); every rank checks in there, then
-    the default group is built on that store with `timeout` for its collectives. Returns the store.
+    Rank 0 hosts a TCPStore at `init_method` (tcp://HOST:PORT); every rank joins a fresh
+    generation there (`join_generation`), then the default group is built under that generation's
+    keys with `timeout` for its collectives. Returns the store.
     """
     host, port = _parse_tcp(init_method)
     deadline = Deadline(join_timeout)
     store = connect_store(host, port, rank, world_size, deadline)
-    check_in(store, "rlfleet/init", rank, range(world_size), deadline, "init_process_group")
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    what = "init_process_group"
+    roster = join_generation(store, "rlfleet/init", rank, range(world_size), deadline, what)
+    build_group(
+        lambda: dist.init_process_group(
+            backend,
+            store=generation_store(store, "rlfleet/init", roster),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        ),
+        what,
+        roster,
     )
     return store
 
@@ -243,16 +455,10 @@ def new_group_bounded(
             seq = next(_group_seq.setdefault(tuple(ranks), itertools.count()))
         prefix = f"rlfleet/group/{members}/{seq}"
     store = dist.distributed_c10d._get_default_store()
-    check_in(
-        store,
-        prefix,
-        dist.get_rank(),
-        range(world),
-        Deadline(join_timeout),
-        f"new_group({ranks})",
-    )
-    group: dist.ProcessGroup | None = dist.new_group(
-        ranks, backend=backend, timeout=timedelta(seconds=timeout)
+    what = f"new_group({ranks})"
+    roster = join_generation(store, prefix, dist.get_rank(), range(world), Deadline(join_timeout), what)
+    group: dist.ProcessGroup | None = build_group(
+        lambda: dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout)), what, roster
     )
     if group is None:  # pragma: no cover - only for MPI-style backends
         raise RuntimeError(f"torch.distributed returned no group for ranks {ranks}")

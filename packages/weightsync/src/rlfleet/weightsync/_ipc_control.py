@@ -1,0 +1,146 @@
+"""The control plane of a CUDA IPC channel: the shared words, what each means, the metadata.
+
+One small shared-memory block per channel holds int64 words (global, per slot, per reader)
+and, after them, the sender's JSON metadata (backend, slot handles, slot size, layout).
+Writers of a word publish data words first, then `memory_fence`, then the word a peer polls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from rlfleet.weightsync._errors import MetadataError
+from rlfleet.weightsync._json import decode_json
+from rlfleet.weightsync._layout import MAX_METADATA_BYTES, Layout
+from rlfleet.weightsync._shm import process_alive
+
+__all__ = ["ControlBlock", "decode_meta"]
+
+MAGIC = 0x524C46_495043  # "RLF" "IPC"
+#: 2: G_READY, per-slot session words and per-reader R_READING (readers an aborted session left).
+FORMAT = 2
+NUM_SLOTS = 2
+MAX_READERS = 1024
+LIVENESS_PERIOD_S = 0.005
+INT64_MAX = (1 << 63) - 1
+
+# Global words.
+G_MAGIC, G_FORMAT, G_WRITER_PID, G_WRITER_START = 0, 1, 2, 3
+G_READERS, G_SLOT_BYTES, G_META_LEN, G_META_OFFSET = 4, 5, 6, 7
+#: G_SESSION counts the sender's sessions (one per `send`), the generation every other word of
+#: a session is tagged with: a session that is not the current one is over. The sender announces
+#: a session there first, and publishes its header (version, base, buckets) under G_READY once
+#: no reader of an earlier session still reads a slot.
+G_SESSION, G_VERSION, G_NBUCKETS, G_BASE = 8, 9, 10, 11
+G_COMMIT, G_ABORT, G_CLOSED, G_CHECKSUMS = 12, 13, 14, 15
+G_READY = 16
+SLOT_BASE = 24
+SLOT_WORDS = 8
+#: S_SEQ: the bucket's global sequence number (monotonic across sessions); S_SESSION: its session.
+S_SEQ, S_BUCKET, S_NBYTES, S_CRC, S_SESSION = 0, 1, 2, 3, 4
+READER_WORDS = 16
+R_PID, R_START, R_ATTACHED, R_ACK, R_PREPARED, R_RESULT, R_DONE, R_EPOCH = range(8)
+#: R_READING: the session whose slots the reader may still be reading (0: none). The sender does
+#: not rewrite a slot while a reader of an earlier session has not cleared it.
+R_READING = 8
+RESULT_OK, RESULT_FAILED = 1, 2
+
+
+def control_words(num_readers: int) -> int:
+    return SLOT_BASE + SLOT_WORDS * NUM_SLOTS + READER_WORDS * num_readers
+
+
+class ControlBlock:
+    """The shared words of one IPC channel (int64 array in shared memory) and their meaning."""
+
+    def __init__(self, words: np.ndarray, num_readers: int) -> None:
+        self.h = words
+        self.num_readers = num_readers
+
+    def slot(self, j: int, field: int) -> int:
+        return SLOT_BASE + SLOT_WORDS * j + field
+
+    def reader(self, i: int, field: int) -> int:
+        return SLOT_BASE + SLOT_WORDS * NUM_SLOTS + READER_WORDS * i + field
+
+    def get(self, word: int) -> int:
+        return int(self.h[word])
+
+    def set(self, word: int, value: int) -> None:
+        self.h[word] = value
+
+    def reader_alive(self, i: int) -> bool:
+        return process_alive(self.get(self.reader(i, R_PID)), self.get(self.reader(i, R_START)))
+
+    def writer_alive(self) -> bool:
+        return process_alive(self.get(G_WRITER_PID), self.get(G_WRITER_START))
+
+    def attached(self, i: int) -> bool:
+        """Reader `i` has its slots open and its process lives."""
+        return bool(self.get(self.reader(i, R_ATTACHED))) and self.reader_alive(i)
+
+    def stragglers(self, session: int) -> list[int]:
+        """Live readers that may still read slots for a session before `session`."""
+        return [
+            i
+            for i in range(self.num_readers)
+            if 0 < self.get(self.reader(i, R_READING)) < session and self.attached(i)
+        ]
+
+
+class Every:
+    """Rate limit for liveness probes (each reads /proc)."""
+
+    def __init__(self, period: float = LIVENESS_PERIOD_S) -> None:
+        self.period = period
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.period
+        return True
+
+
+def check_header(first: np.ndarray, name: str, size: int) -> tuple[int, int, int]:
+    """(readers, metadata offset, metadata length) from the global words, or MetadataError."""
+    if first[G_MAGIC] != MAGIC or first[G_FORMAT] != FORMAT:
+        raise MetadataError(f"{name!r} is not an rlfleet IPC channel of format {FORMAT}")
+    num_readers = int(first[G_READERS])
+    meta_offset, meta_len = int(first[G_META_OFFSET]), int(first[G_META_LEN])
+    if (
+        not 1 <= num_readers <= MAX_READERS
+        or meta_offset < control_words(num_readers) * 8
+        or not 0 < meta_len <= MAX_METADATA_BYTES
+        or meta_offset + meta_len > size
+    ):
+        raise MetadataError(f"IPC channel {name!r} has an inconsistent header")
+    return num_readers, meta_offset, meta_len
+
+
+def decode_meta(raw: bytes) -> dict[str, Any]:
+    """The channel's metadata (backend, handles, slot size, layout); MetadataError if malformed."""
+    data = decode_json(raw, "IPC channel metadata")
+    if not isinstance(data, dict):
+        raise MetadataError("IPC channel metadata must be a JSON object")
+    backend = data.get("backend")
+    handles = data.get("handles")
+    slot_bytes = data.get("slot_bytes")
+    if backend not in ("cuda", "host"):
+        raise MetadataError(f"IPC channel backend must be 'cuda' or 'host', got {backend!r:.40}")
+    if not isinstance(handles, list) or not all(isinstance(h, str) and len(h) <= 512 for h in handles):
+        raise MetadataError("IPC channel handles must be a list of short strings")
+    if backend == "cuda" and len(handles) != NUM_SLOTS:
+        raise MetadataError(f"IPC channel must carry {NUM_SLOTS} CUDA handles, got {len(handles)}")
+    if not isinstance(slot_bytes, int) or isinstance(slot_bytes, bool) or not 0 < slot_bytes <= 1 << 44:
+        raise MetadataError(f"IPC channel slot_bytes is invalid: {slot_bytes!r:.40}")
+    return {
+        "backend": backend,
+        "handles": handles,
+        "slot_bytes": slot_bytes,
+        "layout": Layout.from_dict(data.get("layout")),
+    }
