@@ -177,7 +177,7 @@ def test_sender_killed_mid_send_readers_lose_it_cleanly() -> None:
         assert "died" in message
         assert version == 1
         assert live_sum == checksum(w.make_state(1))
-    assert name in cleanup_stale_segments()
+    assert name in cleanup_stale_segments(w.TEST_PREFIX)
 
 
 def test_dead_reader_is_named_or_dropped() -> None:

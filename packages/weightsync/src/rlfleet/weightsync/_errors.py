@@ -49,3 +49,8 @@ class PeerLostError(WeightSyncError):
 
 class VersionError(WeightSyncError):
     """A version arrived out of order (not newer than the applied one)."""
+
+
+class UnsafeSegmentError(WeightSyncError, PermissionError):
+    """A shared-memory segment is not private to this user (another owner, or a mode other than
+    0600): anyone could have made or changed it, so it is not mapped."""
