@@ -28,6 +28,7 @@ from rlfleet.weightsync import (
     SyncTimeoutError,
     VersionError,
     WeightSyncError,
+    _ring_format,
     _shared_reader,
     _shm_ring,
     checksum,
@@ -271,6 +272,7 @@ def test_ring_receive_into_a_shared_buffer_ends_at_its_deadline_naming_the_reade
 # -- 8. blocking calls default to a finite deadline ---------------------------------------------
 def test_ring_and_reader_calls_without_a_deadline_end_by_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_shm_ring, "DEFAULT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(_ring_format, "DEFAULT_TIMEOUT_S", 0.5)
     monkeypatch.setattr(_shared_reader, "DEFAULT_TIMEOUT_S", 0.5)
     layout = _layout()
     buffer = DoubleBuffer(w.zeros_like_layout(layout), layout)

@@ -36,7 +36,11 @@ DIGEST_WORDS = 4  # a layout digest's 32 raw bytes
 
 @dataclass(frozen=True)
 class BlockShape:
-    """Where the words of one kind of control block are (sizes in int64 words)."""
+    """Where the words of one kind of control block are (sizes in int64 words).
+
+    A channel declares its shape once, e.g. ``BlockShape("ring", MAGIC, FORMAT, SLOT_BASE,
+    SLOT_WORDS, READER_WORDS, G_WRITER_PID, G_WRITER_START)``.
+    """
 
     kind: str  # what the segment is, for errors ("ring", "shared buffer")
     magic: int

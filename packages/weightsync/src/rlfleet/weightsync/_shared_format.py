@@ -42,16 +42,9 @@ MAX_READERS = 4096
 MIN_SLOTS, MAX_SLOTS = 2, 3
 DEFAULT_TIMEOUT_S = 60.0
 
-SHARED = BlockShape(
-    kind="shared buffer",
-    magic=0x524C46_53484152,  # "RLF" "SHAR"
-    format=3,
-    header_words=SLOT_BASE,
-    slot_words=SLOT_WORDS,
-    reader_words=READER_WORDS,
-    writer_pid=G_WRITER_PID,
-    writer_start=G_WRITER_START,
-)
+MAGIC, FORMAT = 0x524C46_53484152, 3  # "RLF" "SHAR"
+KIND = "shared buffer"
+SHARED = BlockShape(KIND, MAGIC, FORMAT, SLOT_BASE, SLOT_WORDS, READER_WORDS, G_WRITER_PID, G_WRITER_START)
 
 
 class SegmentPlan:

@@ -26,53 +26,52 @@ from collections.abc import Mapping
 
 import torch
 
-from rlfleet.weightsync._control_block import INT64_MAX, BlockShape, ControlBlock, Every, probe_header
-from rlfleet.weightsync._deadline import Backoff, Deadline, caller_deadline, deadline_or
-from rlfleet.weightsync._errors import (
-    ChecksumMismatchError,
-    LayoutMismatchError,
-    MetadataError,
-    PeerLostError,
-    SyncAbortedError,
-    WeightSyncError,
-)
+from rlfleet.weightsync._control_block import INT64_MAX, ControlBlock, Every
+from rlfleet.weightsync._deadline import Backoff, Deadline, deadline_or
+from rlfleet.weightsync._errors import PeerLostError, WeightSyncError
 from rlfleet.weightsync._integrity import bucket_checksum
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import pack_bucket
-from rlfleet.weightsync._protocol import BucketConsumer
+from rlfleet.weightsync._ring_format import (
+    DEFAULT_TIMEOUT_S,
+    G_ABORT,
+    G_CHECKSUMS,
+    G_CLOSED,
+    G_COMMIT,
+    G_DATA_OFFSET,
+    G_DIGEST,
+    G_LAYOUT_LEN,
+    G_LAYOUT_OFFSET,
+    G_NUM_READERS,
+    G_NUM_SLOTS,
+    G_S_BASE,
+    G_S_NBUCKETS,
+    G_S_VERSION,
+    G_SESSION,
+    G_SLOT_BYTES,
+    MAX_READERS,
+    MAX_SLOTS,
+    R_ACK,
+    R_ATTACHED,
+    R_DONE,
+    R_EPOCH,
+    R_MEMBER,
+    R_PID,
+    R_RESULT,
+    R_START,
+    RESULT_COMMITTED,
+    RING,
+    S_BUCKET,
+    S_CRC,
+    S_NBYTES,
+    S_SEQ,
+)
+from rlfleet.weightsync._ring_receiver import ShmRingReceiver
 from rlfleet.weightsync._shm import PAGE, SharedSegment, memory_fence, page_align
 
 __all__ = ["ShmRingReceiver", "ShmRingSender"]
 
 _log = logging.getLogger(__name__)
-
-# Global header words (int64).
-G_MAGIC, G_FORMAT, G_WRITER_PID, G_WRITER_START = 0, 1, 2, 3
-G_NUM_READERS, G_NUM_SLOTS, G_SLOT_BYTES, G_LAYOUT_LEN = 4, 5, 6, 7
-G_CHECKSUMS, G_SESSION, G_S_VERSION, G_S_BASE = 8, 9, 10, 11
-G_S_NBUCKETS, G_COMMIT, G_ABORT, G_CLOSED = 12, 13, 14, 15
-G_DATA_OFFSET, G_LAYOUT_OFFSET = 16, 17
-G_DIGEST = 24  # 4 words: the layout digest's 32 raw bytes
-SLOT_BASE = 32
-SLOT_WORDS = 4
-S_SEQ, S_BUCKET, S_NBYTES, S_CRC = 0, 1, 2, 3
-READER_WORDS = 8
-R_PID, R_START, R_ATTACHED, R_ACK, R_MEMBER, R_DONE, R_RESULT, R_EPOCH = 0, 1, 2, 3, 4, 5, 6, 7
-RESULT_COMMITTED, RESULT_FAILED = 1, 2
-
-RING = BlockShape(
-    kind="ring",
-    magic=0x524C46_52494E47,  # "RLF" "RING"
-    format=1,
-    header_words=SLOT_BASE,
-    slot_words=SLOT_WORDS,
-    reader_words=READER_WORDS,
-    writer_pid=G_WRITER_PID,
-    writer_start=G_WRITER_START,
-)
-MAX_READERS = 4096
-MAX_SLOTS = 64
-DEFAULT_TIMEOUT_S = 60.0
 
 
 class ShmRingSender:
@@ -309,217 +308,6 @@ class ShmRingSender:
         self._segment.unlink()
 
     def __enter__(self) -> ShmRingSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ShmRingReceiver:
-    """One reader of a ring: `receive(consumer)` once per version the writer sends."""
-
-    def __init__(
-        self,
-        segment: SharedSegment,
-        ring: ControlBlock,
-        reader_index: int,
-        slots: list[torch.Tensor],
-        last_session: int,
-    ):
-        self._segment = segment
-        self._ring = ring
-        self.reader_index = reader_index
-        self._slots = slots
-        # The newest session started before this reader announced itself: it cannot be a member
-        # of it. Read before R_ATTACHED is set, or a session the writer starts in between (with
-        # this reader as a member) would be mistaken for an old one and never received.
-        self._last_session = last_session
-        self._sender_layout: Layout | None = None
-        self._liveness = Every()
-
-    @property
-    def name(self) -> str:
-        return self._segment.name
-
-    @classmethod
-    def attach(cls, name: str, reader_index: int) -> ShmRingReceiver:
-        """Join ring `name` as reader `reader_index` (one process per index).
-
-        The segment must be this user's, mode 0600 (`UnsafeSegmentError`), and a ring.
-        """
-        segment = SharedSegment.attach(name, map_whole=False)
-        try:
-            first = probe_header(segment, RING)
-            num_readers, num_slots = int(first[G_NUM_READERS]), int(first[G_NUM_SLOTS])
-            slot_bytes, data_offset = int(first[G_SLOT_BYTES]), int(first[G_DATA_OFFSET])
-            if (
-                not 1 <= num_readers <= MAX_READERS
-                or not 2 <= num_slots <= MAX_SLOTS
-                or data_offset % PAGE
-                or data_offset < RING.control_bytes(num_slots, num_readers)
-                or data_offset + num_slots * slot_bytes != segment.size
-            ):
-                raise MetadataError(f"ring {name!r} has an inconsistent header")
-            if isinstance(reader_index, bool) or not isinstance(reader_index, int):
-                raise ValueError(f"reader_index must be an int, got {reader_index!r}")
-            if not 0 <= reader_index < num_readers:
-                raise ValueError(f"reader_index {reader_index} out of range: ring {name!r} has {num_readers}")
-            ring = ControlBlock.over(segment.map_region(0, data_offset), RING, num_slots, num_readers)
-            cls._claim(ring, reader_index, name)
-            data = segment.map_region(data_offset, num_slots * slot_bytes, readonly=True)
-            slots = [segment.tensor(j * slot_bytes, slot_bytes, region=data) for j in range(num_slots)]
-            last_session = ring.get(G_SESSION)
-            memory_fence()
-            ring.set(ring.reader(reader_index, R_ATTACHED), 1)
-            return cls(segment, ring, reader_index, slots, last_session)
-        except BaseException:
-            segment.close()
-            raise
-
-    @staticmethod
-    def _claim(ring: ControlBlock, index: int, name: str) -> None:
-        """Take reader record `index` (free, or held by a dead process), with a new epoch."""
-        holder = ring.get(ring.reader(index, R_PID))
-        if ring.get(ring.reader(index, R_ATTACHED)) and ring.reader_alive(index):
-            raise WeightSyncError(f"ring {name!r}: reader index {index} is held by live pid {holder}")
-        epoch = ring.get(ring.reader(index, R_EPOCH))
-        if not 0 <= epoch < INT64_MAX:
-            raise MetadataError(
-                f"ring {name!r}: reader {index}'s epoch word is {epoch}, out of range: corrupted header"
-            )
-        ring.set(ring.reader(index, R_ATTACHED), 0)
-        ring.claim_reader(index)
-        for field in (R_ACK, R_DONE, R_RESULT):
-            ring.set(ring.reader(index, field), 0)
-        ring.set(ring.reader(index, R_EPOCH), epoch + 1)
-
-    # -- receiving ------------------------------------------------------------------------
-    def _check_writer(self, what: str) -> None:
-        ring = self._ring
-        if ring.get(G_CLOSED):
-            raise PeerLostError(f"ring {self.name} was closed by its writer while {what}")
-        if self._liveness.due() and not ring.writer_alive():
-            raise PeerLostError(f"ring writer (pid {ring.get(G_WRITER_PID)}) died while {what}")
-
-    def _sender_layout_for(self) -> Layout:
-        if self._sender_layout is None:
-            ring = self._ring
-            start, length = ring.get(G_LAYOUT_OFFSET), ring.get(G_LAYOUT_LEN)
-            control = self._segment.map_region(0, ring.get(G_DATA_OFFSET))
-            raw = bytes(control[start : start + length])
-            self._sender_layout = Layout.from_json(raw)
-        return self._sender_layout
-
-    def _wait_session(self, deadline: Deadline) -> int:
-        ring, me = self._ring, self.reader_index
-        backoff = Backoff()
-        while True:
-            session = ring.get(G_SESSION)
-            if session > self._last_session:
-                memory_fence()
-                if ring.get(ring.reader(me, R_MEMBER)) == session:
-                    return session
-                self._last_session = session  # started before we attached: wait for the next one
-            self._check_writer("waiting for a version")
-            if deadline.expired:
-                raise deadline.error(f"ring {self.name}: reader {me} waiting for the next version")
-            backoff.sleep(deadline.remaining())
-
-    def receive(self, consumer: BucketConsumer, deadline: Deadline | float | None = None) -> int:
-        """Receive the next version into `consumer` within `deadline` (seconds or a `Deadline`;
-        None: the default 60 s); returns the version committed.
-
-        On any error the consumer is aborted (its applied version stays), the writer is told,
-        and the error is raised. The consumer's hooks run under this deadline
-        (`caller_deadline`): a `SharedBuffer` waits for its readers no longer than the receive.
-        """
-        deadline = deadline_or(deadline, DEFAULT_TIMEOUT_S)
-        with caller_deadline(deadline):
-            return self._receive(consumer, deadline)
-
-    def _receive(self, consumer: BucketConsumer, deadline: Deadline) -> int:
-        ring, me = self._ring, self.reader_index
-        session = self._wait_session(deadline)
-        self._last_session = session
-        version, base, nbuckets = ring.get(G_S_VERSION), ring.get(G_S_BASE), ring.get(G_S_NBUCKETS)
-        try:
-            if ring.digest(G_DIGEST) != consumer.layout.digest:
-                sender = self._sender_layout_for()
-                problem = consumer.layout.diff(sender) or "digests differ"
-                name = problem.split("'")[1] if "'" in problem else None
-                raise LayoutMismatchError(f"ring {self.name}: receiver layout vs sender: {problem}", name)
-            if nbuckets != len(consumer.layout.buckets):
-                raise MetadataError(
-                    f"ring {self.name}: session has {nbuckets} buckets, layout {len(consumer.layout.buckets)}"
-                )
-            checksums = bool(ring.get(G_CHECKSUMS))
-            consumer.begin(version)
-            for k in range(nbuckets):
-                j = k % ring.num_slots
-                seq = base + k + 1
-                self._wait_word(
-                    ring.slot(j, S_SEQ), seq, session, deadline, f"bucket {k} of version {version}"
-                )
-                memory_fence()
-                nbytes = ring.get(ring.slot(j, S_NBYTES))
-                if ring.get(ring.slot(j, S_BUCKET)) != k or nbytes != consumer.layout.buckets[k].nbytes:
-                    raise MetadataError(f"ring {self.name}: slot {j} does not hold bucket {k} as announced")
-                data = self._slots[j][:nbytes]
-                if checksums:
-                    expected = ring.get(ring.slot(j, S_CRC))
-                    actual = bucket_checksum(data)
-                    if actual != expected:
-                        raise ChecksumMismatchError(
-                            f"ring {self.name}: bucket {k} of version {version} has crc32 {actual:#010x}, "
-                            f"sender wrote {expected:#010x}",
-                            bucket=k,
-                        )
-                consumer.consume(k, data)
-                memory_fence()
-                ring.set(ring.reader(me, R_ACK), seq)
-            prepare = getattr(consumer, "prepare_commit", None)
-            if prepare is not None:  # whatever commit needs, acquired before the writer commits
-                prepare(version, deadline)
-            self._wait_word(G_COMMIT, session, session, deadline, f"the commit of version {version}")
-            consumer.commit(version)
-        except BaseException as exc:
-            try:
-                consumer.abort(exc)
-            finally:
-                ring.set(ring.reader(me, R_ACK), base + nbuckets)  # release every slot of this session
-                ring.set(ring.reader(me, R_RESULT), RESULT_FAILED)
-                memory_fence()
-                ring.set(ring.reader(me, R_DONE), session)
-            raise
-        ring.set(ring.reader(me, R_RESULT), RESULT_COMMITTED)
-        memory_fence()
-        ring.set(ring.reader(me, R_DONE), session)
-        return version
-
-    def _wait_word(self, word: int, value: int, session: int, deadline: Deadline, what: str) -> None:
-        ring = self._ring
-        backoff = Backoff()
-        while ring.get(word) != value:
-            if ring.get(G_ABORT) == session:
-                raise SyncAbortedError(f"ring {self.name}: the writer aborted while we waited for {what}")
-            self._check_writer(f"waiting for {what}")
-            if deadline.expired:
-                raise deadline.error(f"ring {self.name}: reader {self.reader_index} waiting for {what}")
-            backoff.sleep(deadline.remaining())
-
-    # -- teardown -------------------------------------------------------------------------
-    def close(self) -> None:
-        """Leave the ring (the writer stops waiting for this reader at its next session)."""
-        if self._segment.closed:
-            return
-        ring = self._ring
-        ring.set(ring.reader(self.reader_index, R_ATTACHED), 0)
-        ring.set(ring.reader(self.reader_index, R_PID), 0)
-        self._slots = []
-        ring.detach()
-        self._segment.close()
-
-    def __enter__(self) -> ShmRingReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:
