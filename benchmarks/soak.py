@@ -14,6 +14,18 @@ staging, at its swap) or by a timer at a random moment of the sync. Ray restarts
 answers again it rejoins the group (placement, buffers and communication groups rebuilt) and
 the next sync brings it to the current version.
 
+Trainer faults (every 50 cycles, 8 in `--quick`; Ray restarts the trainer, the group is rebuilt
+over it and the next sync brings every eval policy to its weights):
+- "Shared" phase, writer SIGKILLed while publishing into the newest slot: the trainer, writer
+  of node0's buffer, publishes one more version that its readers (bound to the previous one)
+  do not take, so the newest committed version is unread, then starts the next and is
+  SIGKILLed mid-publish; the buffer must still hold the unread version (else a version is lost);
+- other phases, SIGTERM of the trainer at a random moment of a sync: its segments must be gone
+  once it is.
+A third class, a commit that fails after the vote, is a hook (``--commit-faults``): an eval's
+buffer refuses in `prepare_commit`, which fires only where the wire calls it (weightsync's
+protocol work); off by default.
+
 Checked (the claims):
 hung_calls             every group call and every request has a deadline; calls that hit it
                        without a clear error (target 0);
@@ -26,7 +38,11 @@ requests_lost          requests neither answered nor failed with a clear error t
                        retry (target 0); a request is retried up to 3 times;
 requests_served_stale  requests answered with weights older than the version every eval policy
                        of the group had been verified at when the request was sent (target 0):
-                       a restarted worker is not routed to before it has the current weights.
+                       a restarted worker is not routed to before it has the current weights;
+versions_lost          a node buffer that, after its writer was killed mid-publish, no longer
+                       holds the newest version committed before, or a group whose version
+                       went backwards across a trainer restart (target 0);
+sigterm_leaked_segments segments of a SIGTERMed trainer left once it is gone (target 0).
 """
 
 from __future__ import annotations
@@ -35,7 +51,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import gc
-import json
 import os
 import random
 import signal
@@ -46,6 +61,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import _claims
 import torch
 from torch import nn
 
@@ -58,7 +74,11 @@ from rlfleet.policygroup import (
     TrainConfig,
     WeightBufferConfig,
 )
-from rlfleet.weightsync import WeightSyncError
+from rlfleet.weightsync import SharedSegment, SyncTimeoutError, WeightSyncError
+from rlfleet.weightsync._shared_format import SlotTable
+from rlfleet.weightsync._shm import segment_creator
+
+claim = _claims.claim
 
 OBS_DIM = 8
 SYNC_TIMEOUT_S = 10.0
@@ -68,19 +88,26 @@ KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBu
 PLACES = {"train0": "node0", "eval0": "node0", "eval1": "node0", "eval2": "node1", "eval3": "node1"}
 KILLABLE = ("eval1", "eval2", "eval3")
 FAULT_POINTS = ("consume", "stage", "apply", "timer")
+TRAINER_FAULTS = ("writer_publish", "trainer_sigterm")
 
 
 def log(msg: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def claim(value: float, target: float | None, unit: str, ok: bool | None = None) -> dict[str, Any]:
-    return {
-        "value": round(value, 4) if isinstance(value, float) else value,
-        "target": target,
-        "unit": unit,
-        "ok": True if ok is None else bool(ok),
-    }
+def newest_committed(name: str) -> int | None:
+    """The newest committed version in node buffer `name` (None if the segment is gone)."""
+    try:
+        segment = SharedSegment.attach(name, readonly=True, map_whole=False)
+    except WeightSyncError:
+        return None
+    try:
+        table, _, _ = SlotTable.of(segment)
+        newest = table.newest_version()
+        table.detach()
+        return newest
+    finally:
+        segment.close()
 
 
 # ------------------------------------------------------------------ the policy (pickled by value)
@@ -121,7 +148,39 @@ class SoakPolicy(BasePolicy):
         if self._armed == point:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def publish_into_newest_then_die(self, unread: int, doomed: int) -> None:
+        """Trainer, writer of its node's buffer: publish `unread` (the node's readers do not take
+        it), then publish `doomed` and die mid-publish: SIGKILLed before its commit, or while it
+        waits for a slot (a timer)."""
+        writer = self._shared_writer
+        assert writer is not None, "not the writer of a node buffer"
+        state = self.model.state_dict()
+        writer.publish(state, unread, SYNC_TIMEOUT_S)
+
+        def die(version: int) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        writer.commit = die  # type: ignore[method-assign]
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        writer.publish(state, doomed, 4 * SYNC_TIMEOUT_S)
+
+    def _refuse_next_prepare(self) -> None:
+        """The commit-fault hook: this eval's buffer cannot ready the next commit (as a serving
+        lock that cannot be taken); the sync must fail on every rank, the old version kept."""
+        buffer = self._buffer
+        if buffer is None or "_prepare" in vars(buffer):
+            return
+
+        def refuse(version: int, deadline: Any) -> None:
+            del buffer._prepare  # type: ignore[attr-defined]
+            self._armed = None
+            raise SyncTimeoutError(f"soak fault: the serving lock for version {version} was not acquired")
+
+        buffer._prepare = refuse  # type: ignore[method-assign]
+
     def _hook(self) -> None:
+        if self._armed == "commit":
+            self._refuse_next_prepare()
         if self._armed != "consume":
             return
         for consumer in (self._buffer, self._shared_writer):
@@ -173,6 +232,8 @@ class Soak:
         self.cycles = 40 if args.quick else 500
         self.requests = 800 if args.quick else 10_000
         self.kill_every = 8 if args.quick else 20
+        self.trainer_fault_every, self.trainer_fault_at = (8, 0) if args.quick else (50, 25)
+        self.points = (*FAULT_POINTS, "commit") if args.commit_faults else FAULT_POINTS
         self.pool = concurrent.futures.ThreadPoolExecutor(4)
         self.stats: Counter[str] = Counter()
         self.hung: list[str] = []
@@ -401,7 +462,7 @@ class Soak:
         if len(members) < 3 or not candidates:
             return None
         victim = self.rng.choice(candidates)
-        point = self.rng.choice(FAULT_POINTS)
+        point = self.rng.choice(self.points)
         self.stats["kills"] += 1
         self.stats[f"kills_at_{point}"] += 1
         if point != "timer":
@@ -414,6 +475,90 @@ class Soak:
         timer.start()
         return timer
 
+    def trainer_fault_due(self, cycle: int, strategy: str) -> str | None:
+        """The trainer fault of this cycle, if one is due: with "Shared" the node's readers are
+        bound to a slot, so the writer is killed publishing into the newest; otherwise SIGTERM."""
+        if cycle == 0 or cycle % self.trainer_fault_every != self.trainer_fault_at:
+            return None
+        return TRAINER_FAULTS[0] if strategy == "Shared" else TRAINER_FAULTS[1]
+
+    def segments_of(self, pid: int) -> list[str]:
+        """This run's segments created by process `pid`."""
+        return [
+            p.name
+            for p in Path("/dev/shm").iterdir()
+            if (segment_creator(p.name) or (0, 0))[0] == pid and p.name.startswith(tuple(self.uids))
+        ]
+
+    def sigterm_trainer(self) -> tuple[threading.Timer, int] | None:
+        """SIGTERM the trainer at a random moment of the coming sync."""
+        pid = self.pids.get("train0")
+        if pid is None:
+            return None
+        self.stats["trainer_faults_sigterm"] += 1
+        self.stats["sigterm_segments_held"] += len(self.segments_of(pid))
+        timer = threading.Timer(self.rng.uniform(0.0, 0.3), os.kill, (pid, signal.SIGTERM))
+        timer.start()
+        return timer, pid
+
+    def after_sigterm(self, pid: int) -> None:
+        """Once the SIGTERMed trainer is gone, none of its segments may be left."""
+        end = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < end:
+            time.sleep(0.05)
+        gone = not os.path.exists(f"/proc/{pid}")
+        left = self.segments_of(pid)
+        log(f"trainer (pid {pid}) SIGTERMed: {'gone' if gone else 'STILL RUNNING'}, segments left: {left}")
+        self.stats["sigterm_leaked_segments"] += len(left)
+
+    def node_buffer_of_trainer(self) -> str | None:
+        """The name of the node buffer the trainer writes in the current group (node0's)."""
+        group = self.group
+        assert group is not None
+        trainer = group._wid(self.actors["train0"])
+        for entry in group.shared_weight_buffer_map.values():
+            if group._wid(entry["writer"]) == trainer:
+                return str(entry["shared_weight_buffer"]["name"])
+        return None
+
+    def kill_writer_mid_publish(self) -> None:
+        """The trainer publishes a version its readers leave unread, then dies publishing the
+        next; the node buffer must still hold the unread one."""
+        group = self.group
+        assert group is not None
+        name = self.node_buffer_of_trainer()
+        if name is None:
+            return
+        unread = group.weight_version + 1
+        self.stats["trainer_faults_writer_publish"] += 1
+        ref = self.actors["train0"].publish_into_newest_then_die.remote(unread, unread + 1)
+        with contextlib.suppress(self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            self.ray.get(ref, timeout=RPC_TIMEOUT_S + 4 * SYNC_TIMEOUT_S)
+        newest = newest_committed(name)
+        log(f"writer killed publishing v{unread + 1}: node buffer holds v{newest} (v{unread} unread before)")
+        if newest != unread:
+            self.stats["versions_lost"] += 1
+
+    def recover_trainer(self, strategy: str) -> None:
+        """Wait for Ray to restart the trainer, then rebuild the group over it."""
+        old = self.group
+        assert old is not None
+        end = time.monotonic() + 120
+        while not self.alive_now("train0", wait=5.0):
+            if time.monotonic() > end:
+                self.hung.append("trainer restart (> 120s)")
+                raise Hung("trainer restart")
+        self.refresh_pids()
+        with contextlib.suppress(Hung, *CLEAR_ERRORS, self.ray.exceptions.RayError):
+            self.bounded("shutdown after a trainer fault", 60, old.shutdown)
+        before = old.weight_version
+        self.build_group(strategy)
+        assert self.group is not None
+        log(f"trainer back, group rebuilt at v{self.group.weight_version} (was v{before})")
+        if self.group.weight_version < before:
+            self.stats["versions_lost"] += 1
+        self.stats["trainer_recoveries"] += 1
+
     # -- RSS ------------------------------------------------------------------------------
     def rss(self) -> dict[str, int]:
         gc.collect()
@@ -424,12 +569,14 @@ class Soak:
         return out
 
     # -- the run --------------------------------------------------------------------------
-    def cycle(self, cycle: int) -> None:
+    def cycle(self, cycle: int, strategy: str) -> None:
         group = self.group
         assert group is not None
         self.rejoin()
         self.bounded("train", RPC_TIMEOUT_S + 10, group.train, None, seed=cycle)
         timer = self.maybe_kill(cycle)
+        trainer_fault = self.trainer_fault_due(cycle, strategy)
+        sigterm = self.sigterm_trainer() if trainer_fault == "trainer_sigterm" else None
         start = time.perf_counter()
         try:
             self.bounded("sync_weights", 2 * SYNC_TIMEOUT_S + 3 * RPC_TIMEOUT_S, group.sync_weights)
@@ -439,10 +586,18 @@ class Soak:
             self.stats["sync_errors_clear"] += 1
             log(f"cycle {cycle}: sync failed cleanly: {type(exc).__name__}: {str(exc)[:300]}")
         finally:
-            if timer is not None:
-                timer.join()
+            for t in (timer, sigterm[0] if sigterm else None):
+                if t is not None:
+                    t.join()
+        if sigterm is not None:
+            self.after_sigterm(sigterm[1])
+        elif trainer_fault == "writer_publish":
+            self.kill_writer_mid_publish()
+        if trainer_fault is not None:
+            self.recover_trainer(strategy)
         self.verify(cycle)
-        self.version_floor = group.weight_version
+        assert self.group is not None
+        self.version_floor = self.group.weight_version
 
     def verify(self, cycle: int) -> None:
         group = self.group
@@ -453,6 +608,11 @@ class Soak:
             except CLEAR_ERRORS:  # a worker died after the sync (timer kill): drop it, check the rest
                 self.bounded("check_liveness", RPC_TIMEOUT_S, group.check_liveness)
                 continue
+            restarted = [] if ok else self.restarted()
+            if restarted:  # killed after the sync and already back, with its initial weights
+                for name in restarted:
+                    group._drop_eval(self.actors[name], "restarted after a kill; rejoins next cycle")
+                continue
             self.stats["verifications"] += 1
             self.stats["verifications_passed"] += int(ok)
             if not ok:
@@ -460,6 +620,13 @@ class Soak:
             return
         self.stats["verifications"] += 1
         log(f"cycle {cycle}: verification could not run")
+
+    def restarted(self) -> list[str]:
+        """Eval policies of the group whose process changed since their pids were last read."""
+        before = dict(self.pids)
+        self.refresh_pids()
+        members = self.names_in_group()
+        return [n for n in sorted(members) if n in before and self.pids.get(n) != before[n]]
 
     @staticmethod
     def _verify_once(group: PolicyGroup) -> bool:
@@ -508,7 +675,7 @@ class Soak:
                 self.phase_progress = (0, n)
                 self.start_client(round(self.requests * n / self.cycles))
                 for i in range(n):
-                    self.cycle(done)
+                    self.cycle(done, strategy)
                     done += 1
                     self.phase_progress = (i + 1, n)
                     if done == warmup:
@@ -557,45 +724,38 @@ class Soak:
         sync_p = sorted(self.sync_seconds)
         if leaked:
             log(f"leaked segments: {leaked}")
+        nan = float("nan")
+        lower = {"higher_is_better": False}
+        checks = s["verifications"]
         out = {
-            "hung_calls": claim(len(self.hung), 0, "calls", ok=not self.hung),
-            "leaked_shm_segments": claim(len(leaked), 0, "segments", ok=not leaked),
-            "rss_growth_driver_pct": claim(
-                growth.get("driver", float("nan")), 5.0, "%", ok=growth.get("driver", 99) < 5
-            ),
+            "hung_calls": claim(len(self.hung), 0, "calls", **lower),
+            "leaked_shm_segments": claim(len(leaked), 0, "segments", **lower),
+            "sigterm_leaked_segments": claim(s["sigterm_leaked_segments"], 0, "segments", **lower),
+            "versions_lost": claim(s["versions_lost"], 0, "versions", **lower),
+            "rss_growth_driver_pct": claim(growth.get("driver", nan), 5.0, "%", **lower),
             "rss_growth_workers_pct": claim(
-                workers.get(worst, float("nan")),
-                5.0,
-                f"% (max, {worst.split(':')[0]})",
-                ok=bool(workers) and max(workers.values()) < 5,
+                max(workers.values()) if workers else nan, 5.0, f"% (max, {worst.split(':')[0]})", **lower
             ),
-            "verifications_passed": claim(
-                s["verifications_passed"],
-                s["verifications"],
-                "checks",
-                ok=s["verifications"] > 0 and s["verifications_passed"] == s["verifications"],
-            ),
-            "requests_lost": claim(
-                s["requests_lost"], 0, "requests", ok=s["requests_lost"] == 0 and total > 0
-            ),
-            "sync_cycles": claim(
-                s["syncs"] + s["sync_errors_clear"],
-                self.cycles,
-                "cycles",
-                ok=s["syncs"] + s["sync_errors_clear"] == self.cycles,
-            ),
-            "rollout_requests": claim(total, self.requests, "requests", ok=total == self.requests),
+            "verifications_passed": claim(s["verifications_passed"] if checks else nan, checks, "checks"),
+            "requests_lost": claim(s["requests_lost"] if total else nan, 0, "requests", **lower),
+            "sync_cycles": claim(s["syncs"] + s["sync_errors_clear"], self.cycles, "cycles"),
+            "rollout_requests": claim(total, self.requests, "requests"),
             "requests_answered": claim(s["requests_answered"], None, "requests"),
             "requests_retried": claim(s["requests_retried"], None, "retries (clear, retryable errors)"),
             "requests_failed_clear": claim(s["requests_failed_clear"], None, "requests (after 3 retries)"),
-            "requests_served_stale": claim(
-                s["requests_served_stale"], 0, "requests", ok=s["requests_served_stale"] == 0
-            ),
+            "requests_served_stale": claim(s["requests_served_stale"], 0, "requests", **lower),
             "eval_kills": claim(s["kills"], None, "kills"),
             "eval_rejoins": claim(s["rejoins"], None, "rejoins"),
+            "trainer_faults": claim(
+                s["trainer_faults_writer_publish"] + s["trainer_faults_sigterm"],
+                None,
+                f"faults ({s['trainer_faults_writer_publish']} writer killed mid-publish, "
+                f"{s['trainer_faults_sigterm']} SIGTERM holding {s['sigterm_segments_held']} segments), "
+                f"{s['trainer_recoveries']} recovered",
+            ),
             "sync_errors_clear": claim(s["sync_errors_clear"], None, "syncs"),
-            "sync_p50_s": claim(sync_p[len(sync_p) // 2] if sync_p else float("nan"), None, "s"),
-            "sync_max_s": claim(sync_p[-1] if sync_p else float("nan"), None, "s"),
+            "sync_p50_s": claim(sync_p[len(sync_p) // 2] if sync_p else nan, None, "s"),
+            "sync_max_s": claim(sync_p[-1] if sync_p else nan, None, "s"),
             "run_s": claim(run_s, None, "s"),
         }
         if self.hung:
@@ -607,23 +767,17 @@ class Soak:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized run (40 cycles, 800 requests)")
-    parser.add_argument("--json", help="write the claims here")
+    parser = _claims.arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--commit-faults",
+        action="store_true",
+        help="also arm evals to fail prepare_commit (a hook: fires only where the wire calls it)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     claims = Soak(args).run()
-    width = max(len(k) for k in claims)
-    print(f"\n{'claim':<{width}}  {'value':>12}  {'target':>10}  ok   unit")
-    for name, c in claims.items():
-        value = f"{c['value']:.3g}" if isinstance(c["value"], float) else str(c["value"])
-        target = "" if c["target"] is None else str(c["target"])
-        print(f"{name:<{width}}  {value:>12}  {target:>10}  {'yes' if c['ok'] else 'NO':<4} {c['unit']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(claims, f, indent=2)
-    return 0 if all(c["ok"] for c in claims.values()) else 1
+    return _claims.report(claims, args.json, title="soak")
 
 
 if __name__ == "__main__":
