@@ -14,17 +14,10 @@ staging, at its swap) or by a timer at a random moment of the sync. Ray restarts
 answers again it rejoins the group (placement, buffers and communication groups rebuilt) and
 the next sync brings it to the current version.
 
-Trainer faults (every 50 cycles, 8 in `--quick`; Ray restarts the trainer, the group is rebuilt
-over it and the next sync brings every eval policy to its weights):
-- "Shared" phase, writer SIGKILLed while publishing into the newest slot: the trainer, writer
-  of node0's buffer, publishes one more version that its readers (bound to the previous one)
-  do not take, so the newest committed version is unread, then starts the next and is
-  SIGKILLed mid-publish; the buffer must still hold the unread version (else a version is lost);
-- other phases, SIGTERM of the trainer at a random moment of a sync: its segments must be gone
-  once it is.
-A third class, a commit that fails after the vote, is a hook (``--commit-faults``): an eval's
-buffer refuses in `prepare_commit`, which fires only where the wire calls it (weightsync's
-protocol work); off by default.
+Trainer faults (every 50 cycles, 8 in `--quick`; see `_soak_faults`): the node writer SIGKILLed
+publishing into the newest slot ("Shared"), SIGTERM of the trainer mid-sync (other phases);
+Ray restarts it and the group is rebuilt over it. A commit that fails after the vote is a hook
+(``--commit-faults``), off by default.
 
 Checked (the claims):
 hung_calls             every group call and every request has a deadline; calls that hit it
@@ -53,7 +46,6 @@ import contextlib
 import gc
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -62,167 +54,27 @@ from pathlib import Path
 from typing import Any
 
 import _claims
+import _soak_policy
 import torch
-from torch import nn
-
-from rlfleet.policygroup import (
-    BasePolicy,
-    BatchedData,
-    PolicyConfig,
-    PolicyGroup,
-    PolicyGroupError,
-    TrainConfig,
-    WeightBufferConfig,
+from _soak_faults import CLEAR_ERRORS, Faults, Hung
+from _soak_policy import (
+    FAULT_POINTS,
+    GROUP_TIMEOUT_S,
+    KIND,
+    OBS_DIM,
+    PLACES,
+    RPC_TIMEOUT_S,
+    SYNC_TIMEOUT_S,
+    SoakPolicy,
+    log,
 )
-from rlfleet.weightsync import SharedSegment, SyncTimeoutError, WeightSyncError
-from rlfleet.weightsync._shared_format import SlotTable
-from rlfleet.weightsync._shm import segment_creator
+
+from rlfleet.policygroup import BatchedData, PolicyConfig, PolicyGroup, TrainConfig, WeightBufferConfig
 
 claim = _claims.claim
 
-OBS_DIM = 8
-SYNC_TIMEOUT_S = 10.0
-RPC_TIMEOUT_S = 20.0
-GROUP_TIMEOUT_S = 10.0
-KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBuffer"}
-PLACES = {"train0": "node0", "eval0": "node0", "eval1": "node0", "eval2": "node1", "eval3": "node1"}
-KILLABLE = ("eval1", "eval2", "eval3")
-FAULT_POINTS = ("consume", "stage", "apply", "timer")
-TRAINER_FAULTS = ("writer_publish", "trainer_sigterm")
 
-
-def log(msg: str) -> None:
-    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def newest_committed(name: str) -> int | None:
-    """The newest committed version in node buffer `name` (None if the segment is gone)."""
-    try:
-        segment = SharedSegment.attach(name, readonly=True, map_whole=False)
-    except WeightSyncError:
-        return None
-    try:
-        table, _, _ = SlotTable.of(segment)
-        newest = table.newest_version()
-        table.detach()
-        return newest
-    finally:
-        segment.close()
-
-
-# ------------------------------------------------------------------ the policy (pickled by value)
-class SoakPolicy(BasePolicy):
-    """A small MLP; `arm(point)` makes it SIGKILL itself the next time it reaches `point`."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._armed: str | None = None
-        super().__init__(*args, **kwargs)
-
-    def build_model(self) -> nn.Module:
-        torch.manual_seed(1234)
-        return nn.Sequential(
-            nn.Linear(OBS_DIM, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
-        )
-
-    def rollout_step(self, env_ret: Any) -> dict[str, Any]:
-        logits = self.model(torch.as_tensor(env_ret, dtype=torch.float32)[None])[0]
-        return {"logits": logits.tolist(), "version": self.get_weight_version(), "worker": self.index}
-
-    def train_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
-        assert self.optimizer is not None
-        g = torch.Generator().manual_seed(int(kwargs.get("seed", 0)))
-        x, y = torch.randn(16, OBS_DIM, generator=g), torch.randn(16, 4, generator=g)
-        self.optimizer.zero_grad()
-        loss = ((self.model(x) - y) ** 2).mean()
-        loss.backward()
-        self.optimizer.step()
-        return {"loss": float(loss.detach())}
-
-    def get_pid(self) -> int:
-        return os.getpid()
-
-    def arm(self, point: str | None) -> None:
-        self._armed = point
-
-    def _maybe_die(self, point: str) -> None:
-        if self._armed == point:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def publish_into_newest_then_die(self, unread: int, doomed: int) -> None:
-        """Trainer, writer of its node's buffer: publish `unread` (the node's readers do not take
-        it), then publish `doomed` and die mid-publish: SIGKILLed before its commit, or while it
-        waits for a slot (a timer)."""
-        writer = self._shared_writer
-        assert writer is not None, "not the writer of a node buffer"
-        state = self.model.state_dict()
-        writer.publish(state, unread, SYNC_TIMEOUT_S)
-
-        def die(version: int) -> None:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        writer.commit = die  # type: ignore[method-assign]
-        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        writer.publish(state, doomed, 4 * SYNC_TIMEOUT_S)
-
-    def _refuse_next_prepare(self) -> None:
-        """The commit-fault hook: this eval's buffer cannot ready the next commit (as a serving
-        lock that cannot be taken); the sync must fail on every rank, the old version kept."""
-        buffer = self._buffer
-        if buffer is None or "_prepare" in vars(buffer):
-            return
-
-        def refuse(version: int, deadline: Any) -> None:
-            del buffer._prepare  # type: ignore[attr-defined]
-            self._armed = None
-            raise SyncTimeoutError(f"soak fault: the serving lock for version {version} was not acquired")
-
-        buffer._prepare = refuse  # type: ignore[method-assign]
-
-    def _hook(self) -> None:
-        if self._armed == "commit":
-            self._refuse_next_prepare()
-        if self._armed != "consume":
-            return
-        for consumer in (self._buffer, self._shared_writer):
-            if consumer is not None and "consume" not in vars(consumer):
-                original = consumer.consume
-
-                def consume(index: int, data: torch.Tensor, original: Any = original) -> None:
-                    original(index, data)
-                    self._maybe_die("consume")
-
-                consumer.consume = consume  # type: ignore[method-assign]
-
-    def stage_from_segment(self, name: str, version: int, *deps: Any) -> int:
-        self._maybe_die("stage")
-        self._hook()
-        return super().stage_from_segment(name, version, *deps)
-
-    def recv_broadcast(self, group_id: str, src_rank: int, version: int, timeout_s: float) -> int:
-        self._maybe_die("stage")
-        self._hook()
-        return super().recv_broadcast(group_id, src_rank, version, timeout_s)
-
-    def apply_staged(self, version: int | None = None, timeout_s: float | None = None) -> int:
-        self._maybe_die("apply")
-        return super().apply_staged(version, timeout_s)
-
-
-# ------------------------------------------------------------------ bookkeeping
-def rss_of(pid: int) -> int:
-    """Resident set size of a process on this machine, in bytes (Linux /proc)."""
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class Hung(Exception):
-    """A call passed its deadline without raising a clear error."""
-
-
-CLEAR_ERRORS: tuple[type[BaseException], ...] = (PolicyGroupError, WeightSyncError)
-
-
-class Soak:
+class Soak(Faults):
     def __init__(self, args: argparse.Namespace) -> None:
         import ray
 
@@ -453,119 +305,15 @@ class Soak:
             self.hung.append("rollout client thread")
         self.client = None
 
-    # -- faults ---------------------------------------------------------------------------
-    def maybe_kill(self, cycle: int) -> threading.Timer | None:
-        if cycle % self.kill_every != self.kill_every // 2:
-            return None
-        members = self.names_in_group()
-        candidates = [n for n in KILLABLE if n in members]
-        if len(members) < 3 or not candidates:
-            return None
-        victim = self.rng.choice(candidates)
-        point = self.rng.choice(self.points)
-        self.stats["kills"] += 1
-        self.stats[f"kills_at_{point}"] += 1
-        if point != "timer":
-            self.actors[victim].arm.remote(point)
-            return None
-        pid = self.pids.get(victim)
-        if pid is None:
-            return None
-        timer = threading.Timer(self.rng.uniform(0.0, 0.3), lambda: os.kill(pid, signal.SIGKILL))
-        timer.start()
-        return timer
-
-    def trainer_fault_due(self, cycle: int, strategy: str) -> str | None:
-        """The trainer fault of this cycle, if one is due: with "Shared" the node's readers are
-        bound to a slot, so the writer is killed publishing into the newest; otherwise SIGTERM."""
-        if cycle == 0 or cycle % self.trainer_fault_every != self.trainer_fault_at:
-            return None
-        return TRAINER_FAULTS[0] if strategy == "Shared" else TRAINER_FAULTS[1]
-
-    def segments_of(self, pid: int) -> list[str]:
-        """This run's segments created by process `pid`."""
-        return [
-            p.name
-            for p in Path("/dev/shm").iterdir()
-            if (segment_creator(p.name) or (0, 0))[0] == pid and p.name.startswith(tuple(self.uids))
-        ]
-
-    def sigterm_trainer(self) -> tuple[threading.Timer, int] | None:
-        """SIGTERM the trainer at a random moment of the coming sync."""
-        pid = self.pids.get("train0")
-        if pid is None:
-            return None
-        self.stats["trainer_faults_sigterm"] += 1
-        self.stats["sigterm_segments_held"] += len(self.segments_of(pid))
-        timer = threading.Timer(self.rng.uniform(0.0, 0.3), os.kill, (pid, signal.SIGTERM))
-        timer.start()
-        return timer, pid
-
-    def after_sigterm(self, pid: int) -> None:
-        """Once the SIGTERMed trainer is gone, none of its segments may be left."""
-        end = time.monotonic() + 60
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < end:
-            time.sleep(0.05)
-        gone = not os.path.exists(f"/proc/{pid}")
-        left = self.segments_of(pid)
-        log(f"trainer (pid {pid}) SIGTERMed: {'gone' if gone else 'STILL RUNNING'}, segments left: {left}")
-        self.stats["sigterm_leaked_segments"] += len(left)
-
-    def node_buffer_of_trainer(self) -> str | None:
-        """The name of the node buffer the trainer writes in the current group (node0's)."""
-        group = self.group
-        assert group is not None
-        trainer = group._wid(self.actors["train0"])
-        for entry in group.shared_weight_buffer_map.values():
-            if group._wid(entry["writer"]) == trainer:
-                return str(entry["shared_weight_buffer"]["name"])
-        return None
-
-    def kill_writer_mid_publish(self) -> None:
-        """The trainer publishes a version its readers leave unread, then dies publishing the
-        next; the node buffer must still hold the unread one."""
-        group = self.group
-        assert group is not None
-        name = self.node_buffer_of_trainer()
-        if name is None:
-            return
-        unread = group.weight_version + 1
-        self.stats["trainer_faults_writer_publish"] += 1
-        ref = self.actors["train0"].publish_into_newest_then_die.remote(unread, unread + 1)
-        with contextlib.suppress(self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
-            self.ray.get(ref, timeout=RPC_TIMEOUT_S + 4 * SYNC_TIMEOUT_S)
-        newest = newest_committed(name)
-        log(f"writer killed publishing v{unread + 1}: node buffer holds v{newest} (v{unread} unread before)")
-        if newest != unread:
-            self.stats["versions_lost"] += 1
-
-    def recover_trainer(self, strategy: str) -> None:
-        """Wait for Ray to restart the trainer, then rebuild the group over it."""
-        old = self.group
-        assert old is not None
-        end = time.monotonic() + 120
-        while not self.alive_now("train0", wait=5.0):
-            if time.monotonic() > end:
-                self.hung.append("trainer restart (> 120s)")
-                raise Hung("trainer restart")
-        self.refresh_pids()
-        with contextlib.suppress(Hung, *CLEAR_ERRORS, self.ray.exceptions.RayError):
-            self.bounded("shutdown after a trainer fault", 60, old.shutdown)
-        before = old.weight_version
-        self.build_group(strategy)
-        assert self.group is not None
-        log(f"trainer back, group rebuilt at v{self.group.weight_version} (was v{before})")
-        if self.group.weight_version < before:
-            self.stats["versions_lost"] += 1
-        self.stats["trainer_recoveries"] += 1
-
     # -- RSS ------------------------------------------------------------------------------
     def rss(self) -> dict[str, int]:
+        """Resident set size of the driver and of every actor process, in bytes (Linux /proc)."""
         gc.collect()
-        out = {"driver": rss_of(os.getpid())}
-        for name, pid in self.pids.items():
-            with contextlib.suppress(OSError):
-                out[f"{name}:{pid}"] = rss_of(pid)
+        page, out = os.sysconf("SC_PAGE_SIZE"), {}
+        for name, pid in {"driver": os.getpid(), **self.pids}.items():
+            key = name if name == "driver" else f"{name}:{pid}"
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/statm") as f:
+                out[key] = int(f.read().split()[1]) * page
         return out
 
     # -- the run --------------------------------------------------------------------------
@@ -599,42 +347,6 @@ class Soak:
         assert self.group is not None
         self.version_floor = self.group.weight_version
 
-    def verify(self, cycle: int) -> None:
-        group = self.group
-        assert group is not None
-        for _ in range(3):
-            try:
-                ok = self.bounded("verify", 2 * RPC_TIMEOUT_S, self._verify_once, group)
-            except CLEAR_ERRORS:  # a worker died after the sync (timer kill): drop it, check the rest
-                self.bounded("check_liveness", RPC_TIMEOUT_S, group.check_liveness)
-                continue
-            restarted = [] if ok else self.restarted()
-            if restarted:  # killed after the sync and already back, with its initial weights
-                for name in restarted:
-                    group._drop_eval(self.actors[name], "restarted after a kill; rejoins next cycle")
-                continue
-            self.stats["verifications"] += 1
-            self.stats["verifications_passed"] += int(ok)
-            if not ok:
-                log(f"cycle {cycle}: VERIFICATION FAILED")
-            return
-        self.stats["verifications"] += 1
-        log(f"cycle {cycle}: verification could not run")
-
-    def restarted(self) -> list[str]:
-        """Eval policies of the group whose process changed since their pids were last read."""
-        before = dict(self.pids)
-        self.refresh_pids()
-        members = self.names_in_group()
-        return [n for n in sorted(members) if n in before and self.pids.get(n) != before[n]]
-
-    @staticmethod
-    def _verify_once(group: PolicyGroup) -> bool:
-        versions = group.eval_weight_versions()
-        return bool(
-            group.verify_eval_weight_checksums() and versions == [group.weight_version] * len(versions)
-        )
-
     def shm_ours(self) -> list[str]:
         return sorted(p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(tuple(self.uids)))
 
@@ -644,7 +356,8 @@ class Soak:
 
         with contextlib.suppress(FileNotFoundError):
             os.remove("/tmp/ray/ray_current_cluster")
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        for module in (sys.modules[__name__], _soak_policy):  # the actors' class travels with them
+            ray.cloudpickle.register_pickle_by_value(module)
         t0 = time.monotonic()
         for attempt in (1, 2):  # Ray gives a raylet 30 s to register: a loaded machine can miss it
             cluster = Cluster(

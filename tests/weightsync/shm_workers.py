@@ -209,6 +209,23 @@ def ring_sender_then_hang(bucket: int, readers: int, queue: Any, versions: tuple
     threading.Event().wait(TIMEOUT)  # pragma: no cover - killed before
 
 
+def receive_in_thread(
+    receiver: ShmRingReceiver, consumer: Any, deadline: float
+) -> tuple[threading.Thread, list[BaseException]]:
+    """Start `receiver.receive(consumer, deadline)` in a thread; the errors it raises are collected."""
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receiver.receive(consumer, deadline)
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    return thread, errors
+
+
 # -- shared buffer readers --------------------------------------------------------------------
 def shared_reader(name: str, commands: Any, queue: Any) -> None:
     """Bind a module to a shared buffer; on each command refresh and report where data lives."""

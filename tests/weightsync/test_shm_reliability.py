@@ -27,7 +27,6 @@ from rlfleet.weightsync import (
     ShmRingSender,
     SyncTimeoutError,
     VersionError,
-    WeightSyncError,
     _ring_format,
     _shared_reader,
     _shm_ring,
@@ -180,16 +179,7 @@ def test_prepare_commit_readies_the_shared_buffer_and_a_failing_prepare_applies_
     refusing = _RefusingBuffer(live, layout)
     with ShmRingSender(layout, 1) as sender:
         receiver = ShmRingReceiver.attach(sender.name, 0)
-        errors: list[BaseException] = []
-
-        def receive() -> None:
-            try:
-                receiver.receive(refusing, w.TIMEOUT)
-            except WeightSyncError as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=receive)
-        thread.start()
+        thread, errors = w.receive_in_thread(receiver, refusing, w.TIMEOUT)
         assert sender.send(w.make_state(1), 1, w.TIMEOUT) == {0: "failed"}
         thread.join(w.TIMEOUT)
         receiver.close()
@@ -246,16 +236,7 @@ def test_ring_receive_into_a_shared_buffer_ends_at_its_deadline_naming_the_reade
             reader_commands.put(version)
             assert _reader_reports(queue)[2][0] == version
         receiver = ShmRingReceiver.attach(sender.name, 0)
-        errors: list[BaseException] = []
-
-        def receive() -> None:
-            try:
-                receiver.receive(shared, 2.0)
-            except WeightSyncError as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=receive)
-        thread.start()
+        thread, errors = w.receive_in_thread(receiver, shared, 2.0)
         assert sender.send(w.make_state(3), 3, w.TIMEOUT) == {0: "failed"}
         thread.join(w.TIMEOUT)
         receiver.close()
