@@ -40,19 +40,16 @@ class Hung(Exception):
     """A call passed its deadline without raising a clear error."""
 
 
-def newest_committed(name: str) -> int | None:
-    """The newest committed version in node buffer `name` (None if the segment is gone)."""
-    try:
-        segment = SharedSegment.attach(name, readonly=True, map_whole=False)
-    except WeightSyncError:
-        return None
+def node_buffer_table(name: str) -> tuple[SharedSegment, SlotTable]:
+    """A read-only mapping of node buffer `name`'s slot table (valid after the name is unlinked:
+    whoever reclaims a dead writer's segment, the mapping keeps what it held)."""
+    segment = SharedSegment.attach(name, readonly=True, map_whole=False)
     try:
         table, _, _ = SlotTable.of(segment)
-        newest = table.newest_version()
-        table.detach()
-        return newest
-    finally:
+    except BaseException:
         segment.close()
+        raise
+    return segment, table
 
 
 class Faults:
@@ -163,10 +160,15 @@ class Faults:
             return
         unread = group.weight_version + 1
         self.stats["trainer_faults_writer_publish"] += 1
-        ref = self.actors["train0"].publish_into_newest_then_die.remote(unread, unread + 1)
-        with contextlib.suppress(self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
-            self.ray.get(ref, timeout=RPC_TIMEOUT_S + 4 * SYNC_TIMEOUT_S)
-        newest = newest_committed(name)
+        segment, table = node_buffer_table(name)
+        try:
+            ref = self.actors["train0"].publish_into_newest_then_die.remote(unread, unread + 1)
+            with contextlib.suppress(self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+                self.ray.get(ref, timeout=RPC_TIMEOUT_S + 4 * SYNC_TIMEOUT_S)
+            newest = table.newest_version()
+        finally:
+            table.detach()
+            segment.close()
         log(f"writer killed publishing v{unread + 1}: node buffer holds v{newest} (v{unread} unread before)")
         if newest != unread:
             self.stats["versions_lost"] += 1

@@ -25,6 +25,13 @@ PLACES = {"train0": "node0", "eval0": "node0", "eval1": "node0", "eval2": "node1
 KILLABLE = ("eval1", "eval2", "eval3")
 FAULT_POINTS = ("consume", "stage", "apply", "timer")
 TRAINER_FAULTS = ("writer_publish", "trainer_sigterm")
+#: The group calls that wire a new policy group, in order (after `init`), with their arguments.
+WIRING = (
+    ("init_placement_info", ()),
+    ("init_weight_buffer", ()),
+    ("init_comm_group", ("gloo",)),
+    ("sync_weights", ()),
+)
 
 
 def log(msg: str) -> None:

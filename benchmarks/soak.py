@@ -1,7 +1,7 @@
 """Soak: weight-sync cycles and rollout requests on a local Ray cluster while eval workers are
 killed at random and come back.
 
-Run: hatch run python benchmarks/soak.py [--quick] [--json PATH] [--seed N]
+Run: hatch run python benchmarks/soak.py [--quick] [--json PATH] [--seed N] [--commit-faults]
 
 Setup: a 2-node local Ray cluster (node0: trainer, eval0, eval1 | node1: eval2, eval3), so a
 sync moves weights through node0's shared memory and across nodes by broadcast. The cycles are
@@ -14,10 +14,9 @@ staging, at its swap) or by a timer at a random moment of the sync. Ray restarts
 answers again it rejoins the group (placement, buffers and communication groups rebuilt) and
 the next sync brings it to the current version.
 
-Trainer faults (every 50 cycles, 8 in `--quick`; see `_soak_faults`): the node writer SIGKILLed
-publishing into the newest slot ("Shared"), SIGTERM of the trainer mid-sync (other phases);
-Ray restarts it and the group is rebuilt over it. A commit that fails after the vote is a hook
-(``--commit-faults``), off by default.
+Trainer faults (every 50 cycles, 8 in `--quick`; `_soak_faults`): the node writer SIGKILLed
+publishing into the newest slot ("Shared"), SIGTERM of the trainer mid-sync (other phases), a
+commit that fails after the vote (a hook, ``--commit-faults``); the group is rebuilt after each.
 
 Checked (the claims):
 hung_calls             every group call and every request has a deadline; calls that hit it
@@ -54,7 +53,6 @@ from pathlib import Path
 from typing import Any
 
 import _claims
-import _soak_policy
 import torch
 from _soak_faults import CLEAR_ERRORS, Faults, Hung
 from _soak_policy import (
@@ -65,6 +63,7 @@ from _soak_policy import (
     PLACES,
     RPC_TIMEOUT_S,
     SYNC_TIMEOUT_S,
+    WIRING,
     SoakPolicy,
     log,
 )
@@ -168,16 +167,20 @@ class Soak(Faults):
         group = PolicyGroup([self.actors["train0"]], [self.actors[n] for n in evals], self.config(strategy))
         self.uids.append(f"rlfleet-{group._uid}")
 
+        step = ["init"]
+
         def wire() -> None:
             group.init(TrainConfig(lr=1e-3))
             for n in evals:
                 self.actors[n].arm.remote(None)
-            group.init_placement_info()
-            group.init_weight_buffer()
-            group.init_comm_group("gloo")
-            group.sync_weights()
+            for step[0], args in WIRING:
+                getattr(group, step[0])(*args)
 
-        self.bounded(f"build {strategy} group", 4 * RPC_TIMEOUT_S, wire)
+        try:
+            self.bounded(f"build {strategy} group over {evals}", 4 * RPC_TIMEOUT_S, wire)
+        except Hung:
+            log(f"building the {strategy} group over {evals} hung at {step[0]}")
+            raise
         self.group = group
         self.version_floor = group.weight_version
 
@@ -356,8 +359,8 @@ class Soak(Faults):
 
         with contextlib.suppress(FileNotFoundError):
             os.remove("/tmp/ray/ray_current_cluster")
-        for module in (sys.modules[__name__], _soak_policy):  # the actors' class travels with them
-            ray.cloudpickle.register_pickle_by_value(module)
+        for module in (__name__, SoakPolicy.__module__):  # the actors' class travels with them
+            ray.cloudpickle.register_pickle_by_value(sys.modules[module])
         t0 = time.monotonic()
         for attempt in (1, 2):  # Ray gives a raylet 30 s to register: a loaded machine can miss it
             cluster = Cluster(
