@@ -1,7 +1,7 @@
 """Soak: weight-sync cycles and rollout requests on a local Ray cluster while eval workers are
 killed at random and come back.
 
-Run: hatch run python benchmarks/soak.py [--quick] [--json PATH] [--seed N]
+Run: hatch run python benchmarks/soak.py [--quick] [--json PATH] [--seed N] [--commit-faults]
 
 Setup: a 2-node local Ray cluster (node0: trainer, eval0, eval1 | node1: eval2, eval3), so a
 sync moves weights through node0's shared memory and across nodes by broadcast. The cycles are
@@ -13,6 +13,10 @@ with SIGKILL: at a random fault point inside the sync (after its first received 
 staging, at its swap) or by a timer at a random moment of the sync. Ray restarts it; once it
 answers again it rejoins the group (placement, buffers and communication groups rebuilt) and
 the next sync brings it to the current version.
+
+Trainer faults (every 50 cycles, 8 in `--quick`; `_soak_faults`): the node writer SIGKILLed
+publishing into the newest slot ("Shared"), SIGTERM of the trainer mid-sync (other phases), a
+commit that fails after the vote (a hook, ``--commit-faults``); the group is rebuilt after each.
 
 Checked (the claims):
 hung_calls             every group call and every request has a deadline; calls that hit it
@@ -26,7 +30,11 @@ requests_lost          requests neither answered nor failed with a clear error t
                        retry (target 0); a request is retried up to 3 times;
 requests_served_stale  requests answered with weights older than the version every eval policy
                        of the group had been verified at when the request was sent (target 0):
-                       a restarted worker is not routed to before it has the current weights.
+                       a restarted worker is not routed to before it has the current weights;
+versions_lost          a node buffer that, after its writer was killed mid-publish, no longer
+                       holds the newest version committed before, or a group whose version
+                       went backwards across a trainer restart (target 0);
+sigterm_leaked_segments segments of a SIGTERMed trainer left once it is gone (target 0).
 """
 
 from __future__ import annotations
@@ -35,10 +43,8 @@ import argparse
 import concurrent.futures
 import contextlib
 import gc
-import json
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -46,124 +52,28 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import _claims
 import torch
-from torch import nn
-
-from rlfleet.policygroup import (
-    BasePolicy,
-    BatchedData,
-    PolicyConfig,
-    PolicyGroup,
-    PolicyGroupError,
-    TrainConfig,
-    WeightBufferConfig,
+from _soak_faults import CLEAR_ERRORS, Faults, Hung
+from _soak_policy import (
+    FAULT_POINTS,
+    GROUP_TIMEOUT_S,
+    KIND,
+    OBS_DIM,
+    PLACES,
+    RPC_TIMEOUT_S,
+    SYNC_TIMEOUT_S,
+    WIRING,
+    SoakPolicy,
+    log,
 )
-from rlfleet.weightsync import WeightSyncError
 
-OBS_DIM = 8
-SYNC_TIMEOUT_S = 10.0
-RPC_TIMEOUT_S = 20.0
-GROUP_TIMEOUT_S = 10.0
-KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBuffer"}
-PLACES = {"train0": "node0", "eval0": "node0", "eval1": "node0", "eval2": "node1", "eval3": "node1"}
-KILLABLE = ("eval1", "eval2", "eval3")
-FAULT_POINTS = ("consume", "stage", "apply", "timer")
+from rlfleet.policygroup import BatchedData, PolicyConfig, PolicyGroup, TrainConfig, WeightBufferConfig
+
+claim = _claims.claim
 
 
-def log(msg: str) -> None:
-    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def claim(value: float, target: float | None, unit: str, ok: bool | None = None) -> dict[str, Any]:
-    return {
-        "value": round(value, 4) if isinstance(value, float) else value,
-        "target": target,
-        "unit": unit,
-        "ok": True if ok is None else bool(ok),
-    }
-
-
-# ------------------------------------------------------------------ the policy (pickled by value)
-class SoakPolicy(BasePolicy):
-    """A small MLP; `arm(point)` makes it SIGKILL itself the next time it reaches `point`."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._armed: str | None = None
-        super().__init__(*args, **kwargs)
-
-    def build_model(self) -> nn.Module:
-        torch.manual_seed(1234)
-        return nn.Sequential(
-            nn.Linear(OBS_DIM, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
-        )
-
-    def rollout_step(self, env_ret: Any) -> dict[str, Any]:
-        logits = self.model(torch.as_tensor(env_ret, dtype=torch.float32)[None])[0]
-        return {"logits": logits.tolist(), "version": self.get_weight_version(), "worker": self.index}
-
-    def train_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
-        assert self.optimizer is not None
-        g = torch.Generator().manual_seed(int(kwargs.get("seed", 0)))
-        x, y = torch.randn(16, OBS_DIM, generator=g), torch.randn(16, 4, generator=g)
-        self.optimizer.zero_grad()
-        loss = ((self.model(x) - y) ** 2).mean()
-        loss.backward()
-        self.optimizer.step()
-        return {"loss": float(loss.detach())}
-
-    def get_pid(self) -> int:
-        return os.getpid()
-
-    def arm(self, point: str | None) -> None:
-        self._armed = point
-
-    def _maybe_die(self, point: str) -> None:
-        if self._armed == point:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def _hook(self) -> None:
-        if self._armed != "consume":
-            return
-        for consumer in (self._buffer, self._shared_writer):
-            if consumer is not None and "consume" not in vars(consumer):
-                original = consumer.consume
-
-                def consume(index: int, data: torch.Tensor, original: Any = original) -> None:
-                    original(index, data)
-                    self._maybe_die("consume")
-
-                consumer.consume = consume  # type: ignore[method-assign]
-
-    def stage_from_segment(self, name: str, version: int, *deps: Any) -> int:
-        self._maybe_die("stage")
-        self._hook()
-        return super().stage_from_segment(name, version, *deps)
-
-    def recv_broadcast(self, group_id: str, src_rank: int, version: int, timeout_s: float) -> int:
-        self._maybe_die("stage")
-        self._hook()
-        return super().recv_broadcast(group_id, src_rank, version, timeout_s)
-
-    def apply_staged(self, version: int | None = None, timeout_s: float | None = None) -> int:
-        self._maybe_die("apply")
-        return super().apply_staged(version, timeout_s)
-
-
-# ------------------------------------------------------------------ bookkeeping
-def rss_of(pid: int) -> int:
-    """Resident set size of a process on this machine, in bytes (Linux /proc)."""
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class Hung(Exception):
-    """A call passed its deadline without raising a clear error."""
-
-
-CLEAR_ERRORS: tuple[type[BaseException], ...] = (PolicyGroupError, WeightSyncError)
-
-
-class Soak:
+class Soak(Faults):
     def __init__(self, args: argparse.Namespace) -> None:
         import ray
 
@@ -173,6 +83,8 @@ class Soak:
         self.cycles = 40 if args.quick else 500
         self.requests = 800 if args.quick else 10_000
         self.kill_every = 8 if args.quick else 20
+        self.trainer_fault_every, self.trainer_fault_at = (8, 0) if args.quick else (50, 25)
+        self.points = (*FAULT_POINTS, "commit") if args.commit_faults else FAULT_POINTS
         self.pool = concurrent.futures.ThreadPoolExecutor(4)
         self.stats: Counter[str] = Counter()
         self.hung: list[str] = []
@@ -255,16 +167,20 @@ class Soak:
         group = PolicyGroup([self.actors["train0"]], [self.actors[n] for n in evals], self.config(strategy))
         self.uids.append(f"rlfleet-{group._uid}")
 
+        step = ["init"]
+
         def wire() -> None:
             group.init(TrainConfig(lr=1e-3))
             for n in evals:
                 self.actors[n].arm.remote(None)
-            group.init_placement_info()
-            group.init_weight_buffer()
-            group.init_comm_group("gloo")
-            group.sync_weights()
+            for step[0], args in WIRING:
+                getattr(group, step[0])(*args)
 
-        self.bounded(f"build {strategy} group", 4 * RPC_TIMEOUT_S, wire)
+        try:
+            self.bounded(f"build {strategy} group over {evals}", 4 * RPC_TIMEOUT_S, wire)
+        except Hung:
+            log(f"building the {strategy} group over {evals} hung at {step[0]}")
+            raise
         self.group = group
         self.version_floor = group.weight_version
 
@@ -392,44 +308,26 @@ class Soak:
             self.hung.append("rollout client thread")
         self.client = None
 
-    # -- faults ---------------------------------------------------------------------------
-    def maybe_kill(self, cycle: int) -> threading.Timer | None:
-        if cycle % self.kill_every != self.kill_every // 2:
-            return None
-        members = self.names_in_group()
-        candidates = [n for n in KILLABLE if n in members]
-        if len(members) < 3 or not candidates:
-            return None
-        victim = self.rng.choice(candidates)
-        point = self.rng.choice(FAULT_POINTS)
-        self.stats["kills"] += 1
-        self.stats[f"kills_at_{point}"] += 1
-        if point != "timer":
-            self.actors[victim].arm.remote(point)
-            return None
-        pid = self.pids.get(victim)
-        if pid is None:
-            return None
-        timer = threading.Timer(self.rng.uniform(0.0, 0.3), lambda: os.kill(pid, signal.SIGKILL))
-        timer.start()
-        return timer
-
     # -- RSS ------------------------------------------------------------------------------
     def rss(self) -> dict[str, int]:
+        """Resident set size of the driver and of every actor process, in bytes (Linux /proc)."""
         gc.collect()
-        out = {"driver": rss_of(os.getpid())}
-        for name, pid in self.pids.items():
-            with contextlib.suppress(OSError):
-                out[f"{name}:{pid}"] = rss_of(pid)
+        page, out = os.sysconf("SC_PAGE_SIZE"), {}
+        for name, pid in {"driver": os.getpid(), **self.pids}.items():
+            key = name if name == "driver" else f"{name}:{pid}"
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/statm") as f:
+                out[key] = int(f.read().split()[1]) * page
         return out
 
     # -- the run --------------------------------------------------------------------------
-    def cycle(self, cycle: int) -> None:
+    def cycle(self, cycle: int, strategy: str) -> None:
         group = self.group
         assert group is not None
         self.rejoin()
         self.bounded("train", RPC_TIMEOUT_S + 10, group.train, None, seed=cycle)
         timer = self.maybe_kill(cycle)
+        trainer_fault = self.trainer_fault_due(cycle, strategy)
+        sigterm = self.sigterm_trainer() if trainer_fault == "trainer_sigterm" else None
         start = time.perf_counter()
         try:
             self.bounded("sync_weights", 2 * SYNC_TIMEOUT_S + 3 * RPC_TIMEOUT_S, group.sync_weights)
@@ -439,34 +337,18 @@ class Soak:
             self.stats["sync_errors_clear"] += 1
             log(f"cycle {cycle}: sync failed cleanly: {type(exc).__name__}: {str(exc)[:300]}")
         finally:
-            if timer is not None:
-                timer.join()
+            for t in (timer, sigterm[0] if sigterm else None):
+                if t is not None:
+                    t.join()
+        if sigterm is not None:
+            self.after_sigterm(sigterm[1])
+        elif trainer_fault == "writer_publish":
+            self.kill_writer_mid_publish()
+        if trainer_fault is not None:
+            self.recover_trainer(strategy)
         self.verify(cycle)
-        self.version_floor = group.weight_version
-
-    def verify(self, cycle: int) -> None:
-        group = self.group
-        assert group is not None
-        for _ in range(3):
-            try:
-                ok = self.bounded("verify", 2 * RPC_TIMEOUT_S, self._verify_once, group)
-            except CLEAR_ERRORS:  # a worker died after the sync (timer kill): drop it, check the rest
-                self.bounded("check_liveness", RPC_TIMEOUT_S, group.check_liveness)
-                continue
-            self.stats["verifications"] += 1
-            self.stats["verifications_passed"] += int(ok)
-            if not ok:
-                log(f"cycle {cycle}: VERIFICATION FAILED")
-            return
-        self.stats["verifications"] += 1
-        log(f"cycle {cycle}: verification could not run")
-
-    @staticmethod
-    def _verify_once(group: PolicyGroup) -> bool:
-        versions = group.eval_weight_versions()
-        return bool(
-            group.verify_eval_weight_checksums() and versions == [group.weight_version] * len(versions)
-        )
+        assert self.group is not None
+        self.version_floor = self.group.weight_version
 
     def shm_ours(self) -> list[str]:
         return sorted(p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(tuple(self.uids)))
@@ -477,7 +359,8 @@ class Soak:
 
         with contextlib.suppress(FileNotFoundError):
             os.remove("/tmp/ray/ray_current_cluster")
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        for module in (__name__, SoakPolicy.__module__):  # the actors' class travels with them
+            ray.cloudpickle.register_pickle_by_value(sys.modules[module])
         t0 = time.monotonic()
         for attempt in (1, 2):  # Ray gives a raylet 30 s to register: a loaded machine can miss it
             cluster = Cluster(
@@ -508,7 +391,7 @@ class Soak:
                 self.phase_progress = (0, n)
                 self.start_client(round(self.requests * n / self.cycles))
                 for i in range(n):
-                    self.cycle(done)
+                    self.cycle(done, strategy)
                     done += 1
                     self.phase_progress = (i + 1, n)
                     if done == warmup:
@@ -557,45 +440,38 @@ class Soak:
         sync_p = sorted(self.sync_seconds)
         if leaked:
             log(f"leaked segments: {leaked}")
+        nan = float("nan")
+        lower = {"higher_is_better": False}
+        checks = s["verifications"]
         out = {
-            "hung_calls": claim(len(self.hung), 0, "calls", ok=not self.hung),
-            "leaked_shm_segments": claim(len(leaked), 0, "segments", ok=not leaked),
-            "rss_growth_driver_pct": claim(
-                growth.get("driver", float("nan")), 5.0, "%", ok=growth.get("driver", 99) < 5
-            ),
+            "hung_calls": claim(len(self.hung), 0, "calls", **lower),
+            "leaked_shm_segments": claim(len(leaked), 0, "segments", **lower),
+            "sigterm_leaked_segments": claim(s["sigterm_leaked_segments"], 0, "segments", **lower),
+            "versions_lost": claim(s["versions_lost"], 0, "versions", **lower),
+            "rss_growth_driver_pct": claim(growth.get("driver", nan), 5.0, "%", **lower),
             "rss_growth_workers_pct": claim(
-                workers.get(worst, float("nan")),
-                5.0,
-                f"% (max, {worst.split(':')[0]})",
-                ok=bool(workers) and max(workers.values()) < 5,
+                max(workers.values()) if workers else nan, 5.0, f"% (max, {worst.split(':')[0]})", **lower
             ),
-            "verifications_passed": claim(
-                s["verifications_passed"],
-                s["verifications"],
-                "checks",
-                ok=s["verifications"] > 0 and s["verifications_passed"] == s["verifications"],
-            ),
-            "requests_lost": claim(
-                s["requests_lost"], 0, "requests", ok=s["requests_lost"] == 0 and total > 0
-            ),
-            "sync_cycles": claim(
-                s["syncs"] + s["sync_errors_clear"],
-                self.cycles,
-                "cycles",
-                ok=s["syncs"] + s["sync_errors_clear"] == self.cycles,
-            ),
-            "rollout_requests": claim(total, self.requests, "requests", ok=total == self.requests),
+            "verifications_passed": claim(s["verifications_passed"] if checks else nan, checks, "checks"),
+            "requests_lost": claim(s["requests_lost"] if total else nan, 0, "requests", **lower),
+            "sync_cycles": claim(s["syncs"] + s["sync_errors_clear"], self.cycles, "cycles"),
+            "rollout_requests": claim(total, self.requests, "requests"),
             "requests_answered": claim(s["requests_answered"], None, "requests"),
             "requests_retried": claim(s["requests_retried"], None, "retries (clear, retryable errors)"),
             "requests_failed_clear": claim(s["requests_failed_clear"], None, "requests (after 3 retries)"),
-            "requests_served_stale": claim(
-                s["requests_served_stale"], 0, "requests", ok=s["requests_served_stale"] == 0
-            ),
+            "requests_served_stale": claim(s["requests_served_stale"], 0, "requests", **lower),
             "eval_kills": claim(s["kills"], None, "kills"),
             "eval_rejoins": claim(s["rejoins"], None, "rejoins"),
+            "trainer_faults": claim(
+                s["trainer_faults_writer_publish"] + s["trainer_faults_sigterm"],
+                None,
+                f"faults ({s['trainer_faults_writer_publish']} writer killed mid-publish, "
+                f"{s['trainer_faults_sigterm']} SIGTERM holding {s['sigterm_segments_held']} segments), "
+                f"{s['trainer_recoveries']} recovered",
+            ),
             "sync_errors_clear": claim(s["sync_errors_clear"], None, "syncs"),
-            "sync_p50_s": claim(sync_p[len(sync_p) // 2] if sync_p else float("nan"), None, "s"),
-            "sync_max_s": claim(sync_p[-1] if sync_p else float("nan"), None, "s"),
+            "sync_p50_s": claim(sync_p[len(sync_p) // 2] if sync_p else nan, None, "s"),
+            "sync_max_s": claim(sync_p[-1] if sync_p else nan, None, "s"),
             "run_s": claim(run_s, None, "s"),
         }
         if self.hung:
@@ -607,23 +483,17 @@ class Soak:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized run (40 cycles, 800 requests)")
-    parser.add_argument("--json", help="write the claims here")
+    parser = _claims.arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--commit-faults",
+        action="store_true",
+        help="also arm evals to fail prepare_commit (a hook: fires only where the wire calls it)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     claims = Soak(args).run()
-    width = max(len(k) for k in claims)
-    print(f"\n{'claim':<{width}}  {'value':>12}  {'target':>10}  ok   unit")
-    for name, c in claims.items():
-        value = f"{c['value']:.3g}" if isinstance(c["value"], float) else str(c["value"])
-        target = "" if c["target"] is None else str(c["target"])
-        print(f"{name:<{width}}  {value:>12}  {target:>10}  {'yes' if c['ok'] else 'NO':<4} {c['unit']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(claims, f, indent=2)
-    return 0 if all(c["ok"] for c in claims.values()) else 1
+    return _claims.report(claims, args.json, title="soak")
 
 
 if __name__ == "__main__":

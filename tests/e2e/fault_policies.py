@@ -175,15 +175,13 @@ class FaultPolicy(BasePolicy):
     def _corrupt_segment(self, name: str, version: int) -> None:
         """Flip one byte of the first tensor of `version` in the node's shared buffer `name`
         (its writer committed it: this call only runs once the writer's publish returned)."""
-        import numpy as np
-
         from rlfleet.weightsync import SharedSegment, bucket_starts
-        from rlfleet.weightsync._shared_buffer import G_DATA_OFFSET, G_SLOT_BYTES, SLOT_BASE, _Header
+        from rlfleet.weightsync._shared_format import G_DATA_OFFSET, G_SLOT_BYTES, SlotTable
 
         layout = self._require_layout()
         segment = SharedSegment.attach(name)
         try:
-            header = _Header(np.frombuffer(segment.buffer, dtype=np.int64, count=SLOT_BASE + 8))
+            header, _, _ = SlotTable.of(segment)
             slot = header.slot_holding(version)
             assert slot is not None, f"version {version} is not in {name}"
             first = layout.tensors[0]

@@ -3,14 +3,17 @@
 Used by test_security.py in a subprocess (it starts and stops its own Ray): whether token
 authentication is on, which TCP addresses the Ray processes and our workers listen on, the
 mode of Ray's IPC socket directories, the shared-memory files a Double and a Shared sync
-create (name, mode, owner), and whether a client with a wrong token is refused.
+create (name, mode, owner, whether their creator holds its lifetime lock), and whether a client
+with a wrong token is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -40,6 +43,20 @@ def listeners(root: int) -> list[dict[str, Any]]:
     return out
 
 
+def creator_locked(path: Path) -> bool:
+    """Whether some process holds a lock on the segment's first byte (its creator's lifetime lock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        query = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query)
+        return struct.unpack("hhqqi4x", answer)[0] != fcntl.F_UNLCK
+    finally:
+        os.close(fd)
+
+
 def shm_entries() -> dict[str, dict[str, Any]]:
     out = {}
     for entry in Path("/dev/shm").iterdir():
@@ -53,6 +70,7 @@ def shm_entries() -> dict[str, dict[str, Any]]:
             "mode": stat.S_IMODE(st.st_mode),
             "uid": st.st_uid,
             "regular": stat.S_ISREG(st.st_mode),
+            "creator_locked": creator_locked(entry),
         }
     return out
 

@@ -1,6 +1,8 @@
 """Security properties across the packages and the demo.
 
-- shared memory: random names, mode 0600, owned by us, never reused across runs;
+- shared memory: random names, mode 0600, owned by us, never reused across runs; a reader maps
+  only a segment that is ours with mode 0600; reclaiming dead segments never touches another
+  user's files or a live creator's, whatever PID namespace it runs in;
 - nothing decoded from a peer uses pickle: a source scan of weightsync and policygroup, and
   hypothesis fuzzing of every metadata decoder (malformed, oversized, deeply nested input ->
   MetadataError, never anything else);
@@ -18,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -37,7 +40,9 @@ from rlfleet.weightsync import (
     SharedSegment,
     ShmRingReceiver,
     ShmRingSender,
+    UnsafeSegmentError,
     WeightSyncError,
+    cleanup_stale_segments,
 )
 from rlfleet.weightsync._wire import CONTROL_BYTES, HEADER_BYTES, Control, Header
 
@@ -109,6 +114,76 @@ def test_attach_refuses_foreign_names_and_garbage_segments() -> None:
         with pytest.raises(WeightSyncError):
             SharedBufferReader.attach(seg.name, timeout_s=0.5)
     report("attach to foreign names / garbage segments", "ValueError / WeightSyncError")
+
+
+NOBODY = 65534  # another user (the tests run as root, which may chown)
+
+
+def test_attach_maps_only_segments_private_to_us() -> None:
+    """Names in /dev/shm are listable: once unlinked, anyone may create a file under a name."""
+    layout = Layout.from_state_dict(small_state(), 4096)
+    shared, ring, seg = SharedBuffer(layout, 1), ShmRingSender(layout, 1), SharedSegment.create(8192)
+    with shared, ring, seg:
+        readers = {
+            shared.name: lambda n: SharedBufferReader.attach(n, timeout_s=5),
+            ring.name: lambda n: ShmRingReceiver.attach(n, 0),
+            seg.name: SharedSegment.attach,
+        }
+        refused = 0
+        for name, attach in readers.items():
+            path = Path("/dev/shm") / name
+            for tamper in (lambda p: os.chmod(p, 0o640), lambda p: os.chown(p, NOBODY, NOBODY)):
+                tamper(path)
+                with pytest.raises(UnsafeSegmentError, match="not private to this user"):
+                    attach(name)
+                refused += 1
+                os.chmod(path, 0o600)
+                os.chown(path, os.getuid(), os.getgid())
+    report("attach to a segment of another owner or mode", f"UnsafeSegmentError ({refused} of {refused})")
+
+
+def test_reclaiming_dead_segments_spares_other_users_and_live_creators() -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    prefix = "rlfleetsec"
+    dead_theirs = Path("/dev/shm") / f"{prefix}_0_1_{os.urandom(16).hex()}"  # pid 0: never alive
+    os.close(os.open(dead_theirs, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    os.chown(dead_theirs, NOBODY, NOBODY)
+    unshare = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    creator = subprocess.Popen(  # alive, in another PID namespace
+        [*unshare, sys.executable, "-c", _LIVE_CREATOR, prefix],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert creator.stdout is not None
+        live = creator.stdout.readline().strip()
+        if not live:
+            pytest.skip(f"no PID namespace here: {creator.communicate(timeout=60)[1][:200]}")
+        removed = cleanup_stale_segments(prefix)
+        assert removed == []
+        assert dead_theirs.exists()
+        assert (Path("/dev/shm") / live).exists()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            dead_theirs.unlink()
+        if creator.poll() is None:
+            creator.communicate(input="done\n", timeout=60)  # it exits and unlinks its segment
+    report(
+        "reclaim of dead segments (cleanup_stale_segments)",
+        "only this user's, never a live creator's (creator lock, any PID namespace)",
+    )
+
+
+_LIVE_CREATOR = """
+import sys
+from rlfleet.weightsync import SharedSegment
+segment = SharedSegment.create(4096, prefix=sys.argv[1])
+print(segment.name, flush=True)
+sys.stdin.readline()
+"""
 
 
 # ------------------------------------------------------------------ no pickle on peer data
@@ -395,7 +470,11 @@ def test_policy_group_segments_are_private_and_unlinked(demo_runtime: dict[str, 
             assert info["regular"], name
             assert info["mode"] == 0o600, (name, info)
             assert info["uid"] == demo_runtime["uid"], (name, info)
+            assert info["creator_locked"], (name, info)  # a reclaim from any PID namespace spares it
     assert not demo_runtime["shm_after"], demo_runtime["shm_after"]
     names = [n for entries in shm.values() for n in entries]
     assert len(set(names)) == len(names)
-    report("policy group node buffers (Double copies out, Shared binds)", "0600, ours, unlinked at shutdown")
+    report(
+        "policy group node buffers (Double copies out, Shared binds)",
+        "0600, ours, creator-locked while live, unlinked at shutdown",
+    )

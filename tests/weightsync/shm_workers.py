@@ -23,16 +23,24 @@ import torch
 
 from rlfleet.weightsync import (
     DTYPES,
+    Deadline,
     DoubleBuffer,
     Layout,
+    SharedBuffer,
     SharedBufferReader,
     SharedSegment,
     ShmRingReceiver,
+    ShmRingSender,
     checksum,
+    pack_bucket,
 )
 
 BUCKET = 64 * 1024
 TIMEOUT = 200.0  # generous: the CI machine is small and shared; nothing here asserts on time
+#: Prefix family of segments a test leaves behind on purpose (a killed creator) and reclaims
+#: itself: outside "rlfleet-..." so that no concurrent run's reclaim of dead rlfleet segments
+#: removes them first.
+TEST_PREFIX = "rlfleettest"
 
 
 # -- state dicts ------------------------------------------------------------------------------
@@ -192,15 +200,30 @@ def ring_reader(
 
 def ring_sender_then_hang(bucket: int, readers: int, queue: Any, versions: tuple[int, ...]) -> None:
     """Create a ring, publish its name, send `versions` (the test SIGKILLs us during the last)."""
-    from rlfleet.weightsync import ShmRingSender
-
     state = make_state(1)
-    sender = ShmRingSender(layout_of(state, bucket), readers, slots=2)
+    sender = ShmRingSender(layout_of(state, bucket), readers, slots=2, prefix=f"{TEST_PREFIX}-ring")
     queue.put(("name", sender.name))
     for version in versions:
         outcome = sender.send(make_state(version), version, TIMEOUT)
         queue.put(("sent", version, outcome))
     threading.Event().wait(TIMEOUT)  # pragma: no cover - killed before
+
+
+def receive_in_thread(
+    receiver: ShmRingReceiver, consumer: Any, deadline: float
+) -> tuple[threading.Thread, list[BaseException]]:
+    """Start `receiver.receive(consumer, deadline)` in a thread; the errors it raises are collected."""
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receiver.receive(consumer, deadline)
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    return thread, errors
 
 
 # -- shared buffer readers --------------------------------------------------------------------
@@ -218,7 +241,10 @@ def shared_reader(name: str, commands: Any, queue: Any) -> None:
             if command == "write":  # must fault: the mapping is read-only
                 max(module.parameters(), key=lambda p: p.numel()).data.add_(1)
                 continue
-            version = reader.wait_for_version(int(command), TIMEOUT)
+            if command == "refresh":  # the newest committed version, whichever it is
+                version = reader.refresh(TIMEOUT)
+            else:
+                version = reader.wait_for_version(int(command), TIMEOUT)
             state = dict(module.state_dict())
             inside = all(lo <= t.data_ptr() < hi for t in state.values() if t.numel())
             queue.put((reader.reader_index, "ok", (version, checksum(state), inside, os.getpid())))
@@ -228,7 +254,7 @@ def shared_reader(name: str, commands: Any, queue: Any) -> None:
 
 def create_segment_and_die(queue: Any) -> None:
     """Create a segment and exit without any cleanup (as a SIGKILL or an OOM kill would)."""
-    segment = SharedSegment.create(4096, prefix="rlfleet-test")  # "rlfleet" cleanup covers it
+    segment = SharedSegment.create(4096, prefix=f"{TEST_PREFIX}-dead")  # TEST_PREFIX cleanup covers it
     queue.put(segment.name)
     queue.close()
     queue.join_thread()  # flush the queue's feeder thread before dying
@@ -261,3 +287,89 @@ def copying_reader(name: str, commands: Any, queue: Any) -> None:
             queue.put((version, "ok", private, checksum(state)))
     finally:
         reader.close()
+
+
+# -- shared buffer writers and lock holders -----------------------------------------------------
+def stage(buffer: SharedBuffer, version: int, buckets: int, deadline: float | None = None) -> None:
+    """begin(version) (under `deadline` if given), then the first `buckets` buckets of
+    make_state(version), as a transport would."""
+    layout = buffer.layout
+    state = make_state(version)
+    scratch = torch.empty(max(layout.max_bucket_nbytes, 1), dtype=torch.uint8)
+    if deadline is None:
+        buffer.begin(version)
+    else:
+        buffer.begin(version, deadline)
+    for bucket in layout.buckets[:buckets]:
+        buffer.consume(bucket.index, pack_bucket(layout, bucket.index, state, scratch).clone())
+
+
+def shared_writer(queue: Any, commands: Any, prefix: str) -> None:
+    """The node writer in its own process: ("publish", v) commits make_state(v); ("stage", v, n)
+    begins v and stages n buckets, then waits (the test SIGKILLs it mid-publish)."""
+    buffer = SharedBuffer(layout_of(make_state(1)), 3, prefix=prefix, timeout_s=TIMEOUT)
+    queue.put(("name", buffer.name))
+    while (command := commands.get(timeout=TIMEOUT))[0] != "stop":
+        if command[0] == "publish":
+            buffer.publish(make_state(command[1]), command[1])
+        else:
+            stage(buffer, command[1], command[2])
+        queue.put((command[0], command[1]))
+    buffer.close()
+
+
+def lock_holder(name: str, commands: Any, queue: Any) -> None:
+    """A reader stuck in refresh/attach: on "lock" it takes the segment's lock and keeps it
+    until "release"; "stop" ends."""
+    segment = SharedSegment.attach(name, map_whole=False)
+    try:
+        while commands.get(timeout=TIMEOUT) == "lock":
+            with segment.locked(Deadline(TIMEOUT), "a stuck reader"):
+                queue.put("held")
+                commands.get(timeout=TIMEOUT)
+            queue.put("released")
+    finally:
+        segment.close()
+
+
+def make_segments(prefix: str) -> list[SharedBuffer | ShmRingSender | SharedSegment]:
+    """One segment of each kind: a node buffer, a ring, a plain segment."""
+    layout = layout_of(make_state(1))
+    return [
+        SharedBuffer(layout, 1, prefix=prefix, reclaim=False),
+        ShmRingSender(layout, 1, prefix=prefix),
+        SharedSegment.create(4096, prefix=prefix),
+    ]
+
+
+def segment_owner(queue: Any, commands: Any, prefix: str, previous: str) -> None:
+    """Create segments, report their names, wait for "exit". `previous`: the SIGTERM/SIGHUP
+    handler installed before ("default"; "exit": raises SystemExit(3); "carry_on": returns)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        queue.put(("handled", signum))
+        if previous == "exit":
+            raise SystemExit(3)
+
+    if previous != "default":
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, handler)
+    made = make_segments(prefix)
+    queue.put(("names", [m.name for m in made]))
+    while commands.get(timeout=TIMEOUT) != "exit":
+        pass
+
+
+def create_buffer_and_die(queue: Any, prefix: str) -> None:
+    """A run whose node writer is SIGKILLed: its segments stay behind."""
+    made = make_segments(prefix)
+    queue.put([m.name for m in made])
+    queue.close()
+    queue.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def new_run_writer(queue: Any, prefix: str) -> None:
+    """The next run on the node: its writer's construction reclaims dead runs' segments."""
+    with SharedBuffer(layout_of(make_state(1)), 1, prefix=prefix) as buffer:
+        queue.put(buffer.name)

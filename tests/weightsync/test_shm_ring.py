@@ -177,7 +177,7 @@ def test_sender_killed_mid_send_readers_lose_it_cleanly() -> None:
         assert "died" in message
         assert version == 1
         assert live_sum == checksum(w.make_state(1))
-    assert name in cleanup_stale_segments()
+    assert name in cleanup_stale_segments(w.TEST_PREFIX)
 
 
 def test_dead_reader_is_named_or_dropped() -> None:
@@ -230,18 +230,9 @@ def test_slow_reader_times_out_the_sender_and_the_session_aborts() -> None:
         original(k, data)
 
     buffer.consume = slow  # type: ignore[method-assign]
-    errors: list[BaseException] = []
     with ShmRingSender(layout, 1) as sender:
         receiver = ShmRingReceiver.attach(sender.name, 0)
-
-        def receive() -> None:
-            try:
-                receiver.receive(buffer, w.TIMEOUT)
-            except WeightSyncError as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=receive)
-        thread.start()
+        thread, errors = w.receive_in_thread(receiver, buffer, w.TIMEOUT)
         with pytest.raises(SyncTimeoutError, match="reader 0"):
             sender.send(state, 1, 0.5)
         assert entered.is_set()

@@ -10,6 +10,8 @@ from rlfleet.weightsync._deadline import (
     Deadline,
     Watchdog,
     armed_watchdogs,
+    caller_deadline,
+    current_deadline,
     stand_down,
     stand_down_armed_watchdogs,
 )
@@ -31,6 +33,7 @@ from rlfleet.weightsync._errors import (
     SlotsStillMappedError,
     SyncAbortedError,
     SyncTimeoutError,
+    UnsafeSegmentError,
     VersionError,
     WeightSyncError,
 )
@@ -85,7 +88,12 @@ from rlfleet.weightsync._reshard import (
 )
 from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
-from rlfleet.weightsync._shm import SharedSegment, cleanup_stale_segments, process_alive
+from rlfleet.weightsync._shm import (
+    SharedSegment,
+    cleanup_stale_segments,
+    install_termination_cleanup,
+    process_alive,
+)
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
 from rlfleet.weightsync._transforms import (
     LLAMA_STACKED_PARAMS,
@@ -224,4 +232,8 @@ __all__ = [
     "Roster",
     "SlotsStillMappedError",
     "join_generation",
+    "UnsafeSegmentError",
+    "caller_deadline",
+    "current_deadline",
+    "install_termination_cleanup",
 ]

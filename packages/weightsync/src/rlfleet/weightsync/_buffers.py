@@ -123,6 +123,7 @@ class BufferBase:
         self._received: set[int] = set()
         self._state_lock = threading.RLock()
         self._starts = bucket_starts(layout)
+        self._prepared: int | None = None  # the pending version `prepare_commit` readied
         self.last_error: BaseException | None = None
 
     # -- BucketConsumer -------------------------------------------------------------------
@@ -174,6 +175,27 @@ class BufferBase:
             self._stage(index, data)
             self._received.add(index)
 
+    def prepare_commit(self, version: int, deadline: Deadline) -> None:
+        """Acquire everything `commit(version)` needs, so that commit cannot fail afterwards.
+
+        Called after every bucket arrived and was verified, before the receiver votes in a
+        two-phase commit; raises (the receiver then votes failure) if it cannot. `abort` after
+        it releases what it acquired.
+        """
+        with self._state_lock:
+            if self._pending is None or version != self._pending:
+                raise VersionError(
+                    f"prepare of version {version}, but the pending version is {self._pending}"
+                )
+            missing = [b.index for b in self._layout.buckets if b.index not in self._received]
+            if missing:
+                raise IncompleteSyncError(
+                    f"version {version} is missing {len(missing)} of {len(self._layout.buckets)} buckets "
+                    f"(first: bucket {missing[0]})"
+                )
+            self._prepare(version, deadline)
+            self._prepared = version
+
     def commit(self, version: int) -> None:
         with self._state_lock:
             if self._pending is None or version != self._pending:
@@ -194,6 +216,7 @@ class BufferBase:
                 raise
             self._version = version
             self._pending = None
+            self._prepared = None
             self._received = set()
 
     def abort(self, error: BaseException) -> None:
@@ -207,10 +230,14 @@ class BufferBase:
             self._drop()
         finally:
             self._pending = None
+            self._prepared = None
             self._received = set()
 
     # -- strategy hooks -------------------------------------------------------------------
     def _begin(self, version: int) -> None:  # pragma: no cover - trivial default
+        pass
+
+    def _prepare(self, version: int, deadline: Deadline) -> None:  # pragma: no cover - trivial default
         pass
 
     def _stage(self, index: int, data: torch.Tensor) -> None:

@@ -12,12 +12,14 @@ in the process, without blocking, and returns how many.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -28,6 +30,9 @@ __all__ = [
     "Deadline",
     "Watchdog",
     "armed_watchdogs",
+    "caller_deadline",
+    "current_deadline",
+    "deadline_or",
     "stand_down",
     "stand_down_armed_watchdogs",
 ]
@@ -314,3 +319,39 @@ def stand_down_armed_watchdogs() -> int:
 
 #: Short alias of `stand_down_armed_watchdogs` (the NeMo RL worker calls it `stand_down_refit_watchdog`).
 stand_down = stand_down_armed_watchdogs
+
+
+# -- the caller's deadline, for hooks whose signature has none ----------------------------------
+
+_caller_deadline: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
+    "rlfleet_weightsync_caller_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def caller_deadline(deadline: Deadline) -> Iterator[Deadline]:
+    """Within the block, `current_deadline()` is `deadline` (in this thread / task).
+
+    A transport wraps the consumer calls of one sync in it, so a hook whose signature carries
+    no deadline (`BucketConsumer.begin`) waits under the deadline of the sync that called it,
+    through any adapter consumers in between, instead of a timeout of its own.
+    """
+    token = _caller_deadline.set(deadline)
+    try:
+        yield deadline
+    finally:
+        _caller_deadline.reset(token)
+
+
+def current_deadline() -> Deadline | None:
+    """The deadline of the innermost `caller_deadline` block, or None outside one."""
+    return _caller_deadline.get()
+
+
+def deadline_or(value: Deadline | float | None, default_s: float) -> Deadline:
+    """A Deadline from a caller's argument: a Deadline as is, seconds, or None for `default_s`.
+
+    Every blocking call has a finite deadline by default; a caller who wants none says so
+    (``math.inf`` or ``Deadline.never()``).
+    """
+    return Deadline.coerce(default_s if value is None else value)

@@ -75,3 +75,8 @@ class SlotsStillMappedError(WeightSyncError):
     def __init__(self, message: str, readers: list[int]) -> None:
         super().__init__(message)
         self.readers = list(readers)
+
+
+class UnsafeSegmentError(WeightSyncError, PermissionError):
+    """A shared-memory segment is not private to this user (another owner, or a mode other than
+    0600): anyone could have made or changed it, so it is not mapped."""

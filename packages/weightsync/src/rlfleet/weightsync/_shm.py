@@ -2,10 +2,19 @@
 
 A segment is a file in ``/dev/shm`` created with ``O_CREAT | O_EXCL`` and mode 0600 (only
 this user can map it), under a name no one can guess or reuse:
-``{prefix}_{creator pid}_{creator start time}_{128 random bits}``. The creator's pid and
-start time in the name let `cleanup_stale_segments` find segments whose creator died without
-unlinking them (SIGKILL, OOM), even when the pid has since been reused. A process unlinks the
-segments it created when their owner object is collected or at exit.
+``{prefix}_{creator pid}_{creator start time}_{128 random bits}``. `attach` maps only a regular
+file owned by this user with mode 0600 (`UnsafeSegmentError` otherwise): names in /dev/shm are
+listable, so once a name is unlinked anyone could create a file under it.
+
+Lifetime. The creator holds a lock on its segment for as long as it has it open (an
+open-file-description lock, which the kernel drops when the process dies, whatever PID
+namespace it runs in). `cleanup_stale_segments` reclaims a segment only when nobody holds that
+lock (and, for segments made before the lock existed, no process here has the creator's pid and
+start time); it takes the lock itself while it unlinks, so it cannot race a creator. It
+reclaims only this user's segments. A process unlinks the segments it created when their owner
+object is collected, at exit, and when SIGTERM or SIGHUP terminates it (see
+`install_termination_cleanup`); a SIGKILLed or OOM-killed creator leaves its segments to the
+next `cleanup_stale_segments` on the node (a new `SharedBuffer` runs one).
 
 Tensors over a segment are zero-copy (`torch.frombuffer` over a memoryview that pins the
 mapping: the mapping cannot be unmapped while a tensor still points into it). A read-only
@@ -17,25 +26,32 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import mmap
 import os
 import re
 import secrets
+import signal
+import stat
+import struct
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 
 from rlfleet.weightsync._deadline import Backoff, Deadline
-from rlfleet.weightsync._errors import WeightSyncError
+from rlfleet.weightsync._errors import UnsafeSegmentError, WeightSyncError
 
 __all__ = [
     "SHM_DIR",
     "SharedSegment",
     "cleanup_stale_segments",
+    "install_termination_cleanup",
     "memory_fence",
     "process_alive",
     "process_identity",
@@ -48,6 +64,9 @@ _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,63}$")
 _NAME_RE = re.compile(
     r"^(?P<prefix>[A-Za-z][A-Za-z0-9-]{0,63})_(?P<pid>\d{1,10})_(?P<start>\d{1,20})_[0-9a-f]{32}$"
 )
+
+
+_log = logging.getLogger(__name__)
 
 
 def page_align(n: int) -> int:
@@ -119,11 +138,89 @@ def segment_creator(name: str) -> tuple[int, int] | None:
     return int(match["pid"]), int(match["start"])
 
 
+# struct flock (Linux, 64-bit): l_type, l_whence, l_start, l_len, l_pid
+_FLOCK = struct.Struct("hhqqi4x")
+_OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    """Take an open-file-description lock on byte 0 without waiting; False if a conflicting one is held.
+
+    Independent of `locked`'s flock, released only when the last descriptor of this open file
+    closes (so closing another descriptor of the file, as a reader in the same process does,
+    keeps it), and dropped by the kernel when the holder dies.
+    """
+    if _OFD_SETLK is None:  # pragma: no cover - not Linux: liveness falls back to the pid
+        return True
+    try:
+        fcntl.fcntl(fd, _OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, 0, 1, 0))
+    except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: held by someone else
+        return False
+    return True
+
+
+#: Segments this process created and has not unlinked yet: path -> creator pid.
+_owned: dict[str, int] = {}
+
+
 def _unlink_if_creator(path: str, creator_pid: int) -> None:
-    # Runs from a finalizer or at exit: a forked child must not unlink its parent's segment.
+    # Runs from a finalizer, at exit or from a signal handler: a forked child must not unlink
+    # its parent's segment.
     if os.getpid() == creator_pid:
+        _owned.pop(path, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _unlink_owned() -> None:
+    for path, creator in list(_owned.items()):
+        _unlink_if_creator(path, creator)
+
+
+# -- termination signals ------------------------------------------------------------------------
+TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_chained: dict[int, Any] = {}  # signal -> the handler ours replaced (called first)
+
+
+def _on_termination(signum: int, frame: FrameType | None) -> None:
+    previous = _chained.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        try:
+            previous(signum, frame)
+        except BaseException:  # it ends the process (SystemExit, KeyboardInterrupt, ...)
+            _unlink_owned()
+            raise
+        return  # it chose to carry on: the process keeps its segments
+    _unlink_owned()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # die of the signal, as without us
+
+
+def install_termination_cleanup() -> list[int]:
+    """Unlink this process's segments when SIGTERM or SIGHUP terminates it; returns the signals covered.
+
+    Called by `SharedSegment.create` (so a creator needs nothing else). Only the main thread
+    may install signal handlers: from another thread this does nothing (call it once from the
+    main thread, e.g. at start-up). A handler that was there before is called first: if it
+    raises (``sys.exit``), the segments are unlinked and the exception goes on; if it returns,
+    the process carries on and keeps them. With the default action the segments are unlinked
+    and the process then dies of the signal as before. Ignored signals, and handlers installed
+    outside Python, are left alone. Installed once per process.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return sorted(_chained)
+    for sig in TERMINATION_SIGNALS:
+        if sig in _chained:
+            continue
+        current = signal.getsignal(sig)
+        if current is signal.SIG_IGN or current is None:
+            continue
+        try:
+            signal.signal(sig, _on_termination)
+        except (ValueError, OSError):  # pragma: no cover - a sub-interpreter
+            continue
+        _chained[sig] = current
+    return sorted(_chained)
 
 
 class SharedSegment:
@@ -163,18 +260,28 @@ class SharedSegment:
         if not _PREFIX_RE.match(prefix):
             raise ValueError(f"segment prefix must match {_PREFIX_RE.pattern}, got {prefix!r}")
         pid, start = process_identity()
-        name = f"{prefix}_{pid}_{start}_{secrets.token_hex(16)}"
-        path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, nbytes)
-            return cls(name, fd, nbytes, owner=True, readonly=False, map_whole=map_whole)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            raise
+        for _ in range(3):
+            name = f"{prefix}_{pid}_{start}_{secrets.token_hex(16)}"
+            path = SHM_DIR / name
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            # the creator's lifetime lock; a reclaim that found the fresh file unlocked (another
+            # PID namespace sees no creator pid) holds it now or already unlinked the name
+            if not _try_lock(fd, fcntl.F_RDLCK) or os.fstat(fd).st_nlink == 0:
+                os.close(fd)
+                continue
+            try:
+                os.fchmod(fd, 0o600)
+                os.ftruncate(fd, nbytes)
+                segment = cls(name, fd, nbytes, owner=True, readonly=False, map_whole=map_whole)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                raise
+            _owned[str(path)] = pid
+            install_termination_cleanup()
+            return segment
+        raise WeightSyncError(f"could not create a segment in {SHM_DIR}: each was reclaimed as it was made")
 
     @classmethod
     def attach(cls, name: str, readonly: bool = False, map_whole: bool = True) -> SharedSegment:
@@ -187,7 +294,13 @@ class SharedSegment:
         except FileNotFoundError:
             raise WeightSyncError(f"shared-memory segment {name!r} does not exist (creator gone?)") from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            mode, size = stat.S_IMODE(info.st_mode), info.st_size
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or mode != 0o600:
+                raise UnsafeSegmentError(
+                    f"shared-memory segment {name!r} is not private to this user (owner uid {info.st_uid}, "
+                    f"mode {mode:o}; expected uid {os.geteuid()}, mode 600): refusing to map it"
+                )
             if size < 1:
                 raise WeightSyncError(f"shared-memory segment {name!r} is empty")
             return cls(name, fd, size, owner=False, readonly=readonly, map_whole=map_whole)
@@ -266,6 +379,7 @@ class SharedSegment:
         """Remove the name (mappings stay valid until unmapped; the name is never reused)."""
         if not self._unlinked:
             self._unlinked = True
+            _owned.pop(str(self.path), None)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
             if self._finalizer is not None:
@@ -314,12 +428,17 @@ class SharedSegment:
 
 
 def cleanup_stale_segments(prefix: str = "rlfleet", directory: Path | str = SHM_DIR) -> list[str]:
-    """Unlink segments of ours whose creator process is dead (crashed before cleaning up).
+    """Unlink this user's segments whose creator is dead (killed before it could clean up).
 
-    `prefix` selects segments created with that prefix or a ``prefix-...`` one. Returns the
-    names removed. Segments of live creators, and files whose names are not ours,
-    are left alone.
+    `prefix` selects segments created with that prefix or a ``prefix-...`` one: the default
+    covers every rlfleet segment, whichever run or group made it, so the next run on a node
+    reclaims what a killed run left (a new `SharedBuffer` does this itself). A segment is dead
+    when nobody holds its creator's lock (any PID namespace sharing /dev/shm) and no process
+    here has the pid and start time in its name; live segments, other users' files and names
+    that are not ours are left alone. Returns the names removed.
     """
+    if not _PREFIX_RE.match(prefix):
+        raise ValueError(f"segment prefix must match {_PREFIX_RE.pattern}, got {prefix!r}")
     removed: list[str] = []
     base = Path(directory)
     try:
@@ -328,17 +447,35 @@ def cleanup_stale_segments(prefix: str = "rlfleet", directory: Path | str = SHM_
         return removed
     for entry in entries:
         match = _NAME_RE.match(entry.name)
-        creator = segment_creator(entry.name)
-        if match is None or creator is None:
+        if match is None:
             continue
         if match["prefix"] != prefix and not match["prefix"].startswith(prefix + "-"):
             continue  # "rlfleet" covers "rlfleet-ipc" too, not "rlfleetx"
-        pid, start = creator
-        if process_alive(pid, start):
-            continue
-        try:
-            entry.unlink()
+        if _reclaim_if_dead(entry, int(match["pid"]), int(match["start"])):
             removed.append(entry.name)
-        except FileNotFoundError:
-            pass
+    if removed:
+        _log.info("reclaimed %d shared-memory segment(s) of dead creators: %s", len(removed), removed)
     return removed
+
+
+def _reclaim_if_dead(path: Path, pid: int, start: int) -> bool:
+    """Unlink `path` if it is ours (this user's regular file) and its creator is dead."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # gone, another user's, a link
+        return False
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            return False
+        # the write lock conflicts with the creator's: held while we unlink, so a creator that
+        # opened this very name a moment ago fails to lock it and takes another name
+        if not _try_lock(fd, fcntl.F_WRLCK) or process_alive(pid, start):
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)

@@ -14,109 +14,64 @@ everything a reader needs to check and a writer needs to wait safely:
 
 Publication is "write the data, memory fence, write the sequence number"; waits poll with a
 short backoff (20 us growing to 1 ms) under a `Deadline`, and check the peer's liveness, so a
-dead peer becomes `PeerLostError` and a stuck one `SyncTimeoutError`, never a hang.
+dead peer becomes `PeerLostError` and a stuck one `SyncTimeoutError`, never a hang. `send` and
+`receive` default to a 60 s deadline (a receiver whose writer is alive but silent gives up).
+The control words are a `ControlBlock` of shape `RING` (`_control_block`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
-from rlfleet.weightsync._deadline import Backoff, Deadline
-from rlfleet.weightsync._errors import (
-    ChecksumMismatchError,
-    LayoutMismatchError,
-    MetadataError,
-    PeerLostError,
-    SyncAbortedError,
-    WeightSyncError,
-)
+from rlfleet.weightsync._control_block import INT64_MAX, ControlBlock, Every
+from rlfleet.weightsync._deadline import Backoff, Deadline, deadline_or
+from rlfleet.weightsync._errors import PeerLostError, WeightSyncError
 from rlfleet.weightsync._integrity import bucket_checksum
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import pack_bucket
-from rlfleet.weightsync._protocol import BucketConsumer
-from rlfleet.weightsync._shm import (
-    PAGE,
-    SharedSegment,
-    memory_fence,
-    page_align,
-    process_alive,
-    process_identity,
+from rlfleet.weightsync._ring_format import (
+    DEFAULT_TIMEOUT_S,
+    G_ABORT,
+    G_CHECKSUMS,
+    G_CLOSED,
+    G_COMMIT,
+    G_DATA_OFFSET,
+    G_DIGEST,
+    G_LAYOUT_LEN,
+    G_LAYOUT_OFFSET,
+    G_NUM_READERS,
+    G_NUM_SLOTS,
+    G_S_BASE,
+    G_S_NBUCKETS,
+    G_S_VERSION,
+    G_SESSION,
+    G_SLOT_BYTES,
+    MAX_READERS,
+    MAX_SLOTS,
+    R_ACK,
+    R_ATTACHED,
+    R_DONE,
+    R_EPOCH,
+    R_MEMBER,
+    R_PID,
+    R_RESULT,
+    R_START,
+    RESULT_COMMITTED,
+    RING,
+    S_BUCKET,
+    S_CRC,
+    S_NBYTES,
+    S_SEQ,
 )
+from rlfleet.weightsync._ring_receiver import ShmRingReceiver
+from rlfleet.weightsync._shm import PAGE, SharedSegment, memory_fence, page_align
 
 __all__ = ["ShmRingReceiver", "ShmRingSender"]
 
 _log = logging.getLogger(__name__)
-
-MAGIC = 0x524C46_52494E47  # "RLF" "RING"
-FORMAT = 1
-
-# Global header words (int64).
-G_MAGIC, G_FORMAT, G_WRITER_PID, G_WRITER_START = 0, 1, 2, 3
-G_NUM_READERS, G_NUM_SLOTS, G_SLOT_BYTES, G_LAYOUT_LEN = 4, 5, 6, 7
-G_CHECKSUMS, G_SESSION, G_S_VERSION, G_S_BASE = 8, 9, 10, 11
-G_S_NBUCKETS, G_COMMIT, G_ABORT, G_CLOSED = 12, 13, 14, 15
-G_DATA_OFFSET, G_LAYOUT_OFFSET = 16, 17
-G_DIGEST = 24  # 4 words: the layout digest's 32 raw bytes
-SLOT_BASE = 32
-SLOT_WORDS = 4
-S_SEQ, S_BUCKET, S_NBYTES, S_CRC = 0, 1, 2, 3
-READER_WORDS = 8
-R_PID, R_START, R_ATTACHED, R_ACK, R_MEMBER, R_DONE, R_RESULT, R_EPOCH = 0, 1, 2, 3, 4, 5, 6, 7
-RESULT_COMMITTED, RESULT_FAILED = 1, 2
-
-MAX_READERS = 4096
-MAX_SLOTS = 64
-LIVENESS_PERIOD_S = 0.005
-
-
-def _header_words(num_slots: int, num_readers: int) -> int:
-    return SLOT_BASE + SLOT_WORDS * num_slots + READER_WORDS * num_readers
-
-
-class _Liveness:
-    """Rate-limited liveness probe (reading /proc costs a syscall; do it every few ms)."""
-
-    def __init__(self) -> None:
-        self._next = 0.0
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now < self._next:
-            return False
-        self._next = now + LIVENESS_PERIOD_S
-        return True
-
-
-class _Ring:
-    """Offsets of one ring segment, shared by sender and receivers."""
-
-    def __init__(self, header: np.ndarray, num_slots: int, num_readers: int) -> None:
-        self.h = header
-        self.num_slots = num_slots
-        self.num_readers = num_readers
-
-    def slot(self, j: int, field: int) -> int:
-        return SLOT_BASE + SLOT_WORDS * j + field
-
-    def reader(self, i: int, field: int) -> int:
-        return SLOT_BASE + SLOT_WORDS * self.num_slots + READER_WORDS * i + field
-
-    def get(self, word: int) -> int:
-        return int(self.h[word])
-
-    def set(self, word: int, value: int) -> None:
-        self.h[word] = value
-
-    def digest(self) -> str:
-        return bytes(self.h[G_DIGEST : G_DIGEST + 4].view(np.uint8)).hex()
-
-    def reader_alive(self, i: int) -> bool:
-        return process_alive(self.get(self.reader(i, R_PID)), self.get(self.reader(i, R_START)))
 
 
 class ShmRingSender:
@@ -148,32 +103,24 @@ class ShmRingSender:
         self.checksums = checksums
         self.drop_dead_readers = drop_dead_readers
         layout_json = layout.to_json()
-        words = _header_words(slots, num_readers)
-        layout_offset = (words * 8 + 63) // 64 * 64
+        layout_offset = RING.control_bytes(slots, num_readers)
         data_offset = page_align(layout_offset + len(layout_json))
         self.slot_bytes = max(PAGE, page_align(layout.max_bucket_nbytes))
         self._segment = SharedSegment.create(data_offset + slots * self.slot_bytes, prefix=prefix)
         buf = self._segment.buffer
-        self._ring = _Ring(np.frombuffer(buf, dtype=np.int64, count=words), slots, num_readers)
-        ring = self._ring
-        pid, start = process_identity()
+        self._ring = ControlBlock.over(buf, RING, slots, num_readers)
         buf[layout_offset : layout_offset + len(layout_json)] = layout_json
-        ring.h[G_DIGEST : G_DIGEST + 4] = np.frombuffer(bytes.fromhex(layout.digest), dtype=np.int64)
-        for word, value in (
-            (G_FORMAT, FORMAT),
-            (G_WRITER_PID, pid),
-            (G_WRITER_START, start),
-            (G_NUM_READERS, num_readers),
-            (G_NUM_SLOTS, slots),
-            (G_SLOT_BYTES, self.slot_bytes),
-            (G_LAYOUT_LEN, len(layout_json)),
-            (G_LAYOUT_OFFSET, layout_offset),
-            (G_DATA_OFFSET, data_offset),
-            (G_CHECKSUMS, int(checksums)),
-        ):
-            ring.set(word, value)
-        memory_fence()
-        ring.set(G_MAGIC, MAGIC)
+        self._ring.set_digest(G_DIGEST, layout.digest)
+        header = {
+            G_NUM_READERS: num_readers,
+            G_NUM_SLOTS: slots,
+            G_SLOT_BYTES: self.slot_bytes,
+            G_LAYOUT_LEN: len(layout_json),
+            G_LAYOUT_OFFSET: layout_offset,
+            G_DATA_OFFSET: data_offset,
+            G_CHECKSUMS: int(checksums),
+        }
+        self._ring.fill(header)
         self._slots = [
             self._segment.tensor(data_offset + j * self.slot_bytes, self.slot_bytes) for j in range(slots)
         ]
@@ -181,7 +128,7 @@ class ShmRingSender:
         self._session = 0
         self._previous: dict[int, tuple[int, int, int]] = {}  # last session's members: identity
         self._ever_attached: set[int] = set()
-        self._liveness = _Liveness()
+        self._liveness = Every()
 
     @property
     def name(self) -> str:
@@ -244,15 +191,16 @@ class ShmRingSender:
         deadline: Deadline | float | None = None,
         wait_for_readers: bool = True,
     ) -> dict[int, str]:
-        """Send `state_dict` as `version` to every attached reader.
+        """Send `state_dict` as `version` to every attached reader, within `deadline` (seconds or a
+        `Deadline`; None: the default 60 s).
 
         Returns each reader's outcome (``"committed"``, ``"failed"`` or ``"dropped"``) when
         `wait_for_readers`; else returns once everything is published (the next `send` waits
         for slots as needed). Any error aborts the session for every reader.
         """
-        deadline = Deadline.coerce(deadline)
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        deadline = deadline_or(deadline, DEFAULT_TIMEOUT_S)
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= INT64_MAX:
+            raise ValueError(f"version must be an int in [0, 2**63 - 1], got {version!r}")
         if self._ring.get(G_CLOSED):
             raise WeightSyncError(f"ring {self.name} is closed")
         self.layout.check_state_dict(state_dict)
@@ -355,214 +303,11 @@ class ShmRingSender:
             return
         self._ring.set(G_CLOSED, 1)
         self._slots = []
-        self._ring.h = np.zeros(1, dtype=np.int64)
+        self._ring.detach()
         self._segment.close()
         self._segment.unlink()
 
     def __enter__(self) -> ShmRingSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ShmRingReceiver:
-    """One reader of a ring: `receive(consumer)` once per version the writer sends."""
-
-    def __init__(
-        self,
-        segment: SharedSegment,
-        ring: _Ring,
-        reader_index: int,
-        slots: list[torch.Tensor],
-        last_session: int,
-    ):
-        self._segment = segment
-        self._ring = ring
-        self.reader_index = reader_index
-        self._slots = slots
-        # The newest session started before this reader announced itself: it cannot be a member
-        # of it. Read before R_ATTACHED is set, or a session the writer starts in between (with
-        # this reader as a member) would be mistaken for an old one and never received.
-        self._last_session = last_session
-        self._sender_layout: Layout | None = None
-        self._liveness = _Liveness()
-
-    @property
-    def name(self) -> str:
-        return self._segment.name
-
-    @classmethod
-    def attach(cls, name: str, reader_index: int) -> ShmRingReceiver:
-        """Join ring `name` as reader `reader_index` (one process per index)."""
-        segment = SharedSegment.attach(name, map_whole=False)
-        try:
-            probe = segment.map_region(0, PAGE)
-            first = np.frombuffer(probe, dtype=np.int64, count=SLOT_BASE).copy()
-            del probe
-            if first[G_MAGIC] != MAGIC or first[G_FORMAT] != FORMAT:
-                raise MetadataError(f"{name!r} is not an rlfleet ring of format {FORMAT}")
-            num_readers, num_slots = int(first[G_NUM_READERS]), int(first[G_NUM_SLOTS])
-            slot_bytes, data_offset = int(first[G_SLOT_BYTES]), int(first[G_DATA_OFFSET])
-            if (
-                not 1 <= num_readers <= MAX_READERS
-                or not 2 <= num_slots <= MAX_SLOTS
-                or data_offset % PAGE
-                or data_offset + num_slots * slot_bytes != segment.size
-            ):
-                raise MetadataError(f"ring {name!r} has an inconsistent header")
-            if isinstance(reader_index, bool) or not isinstance(reader_index, int):
-                raise ValueError(f"reader_index must be an int, got {reader_index!r}")
-            if not 0 <= reader_index < num_readers:
-                raise ValueError(f"reader_index {reader_index} out of range: ring {name!r} has {num_readers}")
-            control = segment.map_region(0, data_offset)
-            words = _header_words(num_slots, num_readers)
-            ring = _Ring(np.frombuffer(control, dtype=np.int64, count=words), num_slots, num_readers)
-            me, my_start = process_identity()
-            holder = ring.get(ring.reader(reader_index, R_PID))
-            if (
-                ring.get(ring.reader(reader_index, R_ATTACHED))
-                and holder != me
-                and ring.reader_alive(reader_index)
-            ):
-                raise WeightSyncError(
-                    f"ring {name!r}: reader index {reader_index} is held by live pid {holder}"
-                )
-            data = segment.map_region(data_offset, num_slots * slot_bytes, readonly=True)
-            slots = [segment.tensor(j * slot_bytes, slot_bytes, region=data) for j in range(num_slots)]
-            ring.set(ring.reader(reader_index, R_ATTACHED), 0)
-            ring.set(ring.reader(reader_index, R_PID), me)
-            ring.set(ring.reader(reader_index, R_START), my_start)
-            ring.set(ring.reader(reader_index, R_ACK), 0)
-            ring.set(ring.reader(reader_index, R_DONE), 0)
-            ring.set(ring.reader(reader_index, R_RESULT), 0)
-            ring.set(ring.reader(reader_index, R_EPOCH), ring.get(ring.reader(reader_index, R_EPOCH)) + 1)
-            last_session = ring.get(G_SESSION)
-            memory_fence()
-            ring.set(ring.reader(reader_index, R_ATTACHED), 1)
-            return cls(segment, ring, reader_index, slots, last_session)
-        except BaseException:
-            segment.close()
-            raise
-
-    # -- receiving ------------------------------------------------------------------------
-    def _check_writer(self, what: str) -> None:
-        ring = self._ring
-        if ring.get(G_CLOSED):
-            raise PeerLostError(f"ring {self.name} was closed by its writer while {what}")
-        if self._liveness.due() and not process_alive(ring.get(G_WRITER_PID), ring.get(G_WRITER_START)):
-            raise PeerLostError(f"ring writer (pid {ring.get(G_WRITER_PID)}) died while {what}")
-
-    def _sender_layout_for(self) -> Layout:
-        if self._sender_layout is None:
-            ring = self._ring
-            start, length = ring.get(G_LAYOUT_OFFSET), ring.get(G_LAYOUT_LEN)
-            control = self._segment.map_region(0, ring.get(G_DATA_OFFSET))
-            raw = bytes(control[start : start + length])
-            self._sender_layout = Layout.from_json(raw)
-        return self._sender_layout
-
-    def _wait_session(self, deadline: Deadline) -> int:
-        ring, me = self._ring, self.reader_index
-        backoff = Backoff()
-        while True:
-            session = ring.get(G_SESSION)
-            if session > self._last_session:
-                memory_fence()
-                if ring.get(ring.reader(me, R_MEMBER)) == session:
-                    return session
-                self._last_session = session  # started before we attached: wait for the next one
-            self._check_writer("waiting for a version")
-            if deadline.expired:
-                raise deadline.error(f"ring {self.name}: reader {me} waiting for the next version")
-            backoff.sleep(deadline.remaining())
-
-    def receive(self, consumer: BucketConsumer, deadline: Deadline | float | None = None) -> int:
-        """Receive the next version into `consumer`; returns the version committed.
-
-        On any error the consumer is aborted (its applied version stays), the writer is told,
-        and the error is raised.
-        """
-        deadline = Deadline.coerce(deadline)
-        ring, me = self._ring, self.reader_index
-        session = self._wait_session(deadline)
-        self._last_session = session
-        version, base, nbuckets = ring.get(G_S_VERSION), ring.get(G_S_BASE), ring.get(G_S_NBUCKETS)
-        try:
-            if ring.digest() != consumer.layout.digest:
-                sender = self._sender_layout_for()
-                problem = consumer.layout.diff(sender) or "digests differ"
-                name = problem.split("'")[1] if "'" in problem else None
-                raise LayoutMismatchError(f"ring {self.name}: receiver layout vs sender: {problem}", name)
-            if nbuckets != len(consumer.layout.buckets):
-                raise MetadataError(
-                    f"ring {self.name}: session has {nbuckets} buckets, layout {len(consumer.layout.buckets)}"
-                )
-            checksums = bool(ring.get(G_CHECKSUMS))
-            consumer.begin(version)
-            for k in range(nbuckets):
-                j = k % ring.num_slots
-                seq = base + k + 1
-                self._wait_word(
-                    ring.slot(j, S_SEQ), seq, session, deadline, f"bucket {k} of version {version}"
-                )
-                memory_fence()
-                nbytes = ring.get(ring.slot(j, S_NBYTES))
-                if ring.get(ring.slot(j, S_BUCKET)) != k or nbytes != consumer.layout.buckets[k].nbytes:
-                    raise MetadataError(f"ring {self.name}: slot {j} does not hold bucket {k} as announced")
-                data = self._slots[j][:nbytes]
-                if checksums:
-                    expected = ring.get(ring.slot(j, S_CRC))
-                    actual = bucket_checksum(data)
-                    if actual != expected:
-                        raise ChecksumMismatchError(
-                            f"ring {self.name}: bucket {k} of version {version} has crc32 {actual:#010x}, "
-                            f"sender wrote {expected:#010x}",
-                            bucket=k,
-                        )
-                consumer.consume(k, data)
-                memory_fence()
-                ring.set(ring.reader(me, R_ACK), seq)
-            self._wait_word(G_COMMIT, session, session, deadline, f"the commit of version {version}")
-            consumer.commit(version)
-        except BaseException as exc:
-            try:
-                consumer.abort(exc)
-            finally:
-                ring.set(ring.reader(me, R_ACK), base + nbuckets)  # release every slot of this session
-                ring.set(ring.reader(me, R_RESULT), RESULT_FAILED)
-                memory_fence()
-                ring.set(ring.reader(me, R_DONE), session)
-            raise
-        ring.set(ring.reader(me, R_RESULT), RESULT_COMMITTED)
-        memory_fence()
-        ring.set(ring.reader(me, R_DONE), session)
-        return version
-
-    def _wait_word(self, word: int, value: int, session: int, deadline: Deadline, what: str) -> None:
-        ring = self._ring
-        backoff = Backoff()
-        while ring.get(word) != value:
-            if ring.get(G_ABORT) == session:
-                raise SyncAbortedError(f"ring {self.name}: the writer aborted while we waited for {what}")
-            self._check_writer(f"waiting for {what}")
-            if deadline.expired:
-                raise deadline.error(f"ring {self.name}: reader {self.reader_index} waiting for {what}")
-            backoff.sleep(deadline.remaining())
-
-    # -- teardown -------------------------------------------------------------------------
-    def close(self) -> None:
-        """Leave the ring (the writer stops waiting for this reader at its next session)."""
-        if self._segment.closed:
-            return
-        ring = self._ring
-        ring.set(ring.reader(self.reader_index, R_ATTACHED), 0)
-        ring.set(ring.reader(self.reader_index, R_PID), 0)
-        self._slots = []
-        ring.h = np.zeros(1, dtype=np.int64)
-        self._segment.close()
-
-    def __enter__(self) -> ShmRingReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:
