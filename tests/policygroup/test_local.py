@@ -67,7 +67,7 @@ def test_shared_strategy_binds_every_eval_to_one_segment() -> None:
         group.sync_weights()
         # zero-copy: every eval policy computes straight from its read-only mapping of the node buffer
         for p in group.eval_list:
-            start, end = p._shared_reader.data_range()
+            start, end = p._weights.endpoint.data_range()
             assert all(start <= t.data_ptr() < end for t in p.model.state_dict().values())
         names = [e["shared_weight_buffer"]["name"] for e in group.shared_weight_buffer_map.values()]
         assert all(os.path.exists(os.path.join("/dev/shm", n)) for n in names)

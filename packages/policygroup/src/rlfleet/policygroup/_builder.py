@@ -176,11 +176,14 @@ def build_policy_group(
             **dict(policy_kwargs or {}),
         )
         actors[w.role].append(actor)
-    group = PolicyGroup(actors["train"], actors["eval"], config)
-    group._owned_actors = actors["train"] + actors["eval"]
-    if pg is not None:
-        group._placement_groups.append(pg)
-    group.placement = placement  # type: ignore[attr-defined]
+    group = PolicyGroup(
+        actors["train"],
+        actors["eval"],
+        config,
+        placement=placement,
+        owned_actors=actors["train"] + actors["eval"],
+        placement_groups=[] if pg is None else [pg],
+    )
     try:
         everyone = actors["train"] + actors["eval"]
         ready, pending = ray.wait(

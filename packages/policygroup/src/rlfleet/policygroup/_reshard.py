@@ -24,41 +24,36 @@ Hooks a policy overrides: `reshard_param_specs` (the model's full, unsharded par
 training shards them; the default treats the local model as unsharded, stage "first"),
 `reshard_gen_param_specs` (generation side, when it renames or fuses differently),
 `reshard_rank` (this worker's rank on its side; default ``index``) and `reshard_state_dict`.
-
-To make `BasePolicy` speak these calls: ``class BasePolicy(ReshardWorkerMixin):``.
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rlfleet.placement import Parallelism, ParamSpec, ReshardPlan, plan_reshard
 from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import CommGroupError
+from rlfleet.policygroup._weights import WorkerWeights
 from rlfleet.weightsync import (
     Deadline,
     DoubleBuffer,
     LayoutMismatchError,
+    MemberGroup,
     PeerGroup,
     RankProgram,
     ReshardReceiver,
     ReshardSender,
     ReshardStats,
     ServingLock,
-    check_in,
     connect_store,
     dtype_name,
 )
 
 __all__ = ["ReshardWorkerMixin"]
-
-_c10d: Any = dist  # PrefixStore / ProcessGroup* are not re-exported for mypy
 
 DEFAULT_REFIT_TIMEOUT_S = 120.0
 
@@ -97,12 +92,14 @@ class ReshardWorkerMixin:
     """The ``nccl_reshard`` calls of NeMo RL's policy worker, for `BasePolicy` to inherit."""
 
     # Provided by the host class (BasePolicy).
+    role: Any
     model: torch.nn.Module
     index: int
     device: torch.device
     config: PolicyConfig
     pp_comm_group: Any
-    _version: int
+    _serve: ServingLock
+    _weights: WorkerWeights
 
     # -- hooks ------------------------------------------------------------------------------
     def reshard_param_specs(self) -> Sequence[ParamSpec | Mapping[str, Any]]:
@@ -137,8 +134,7 @@ class ReshardWorkerMixin:
         return state
 
     def _reshard_side(self) -> str:
-        role = str(getattr(getattr(self, "role", "eval"), "value", getattr(self, "role", "eval")))
-        return "train" if role == "train" else "gen"
+        return "train" if str(getattr(self.role, "value", self.role)) == "train" else "gen"
 
     # -- the seed's calls -----------------------------------------------------------------------
     def init_nccl_reshard_comm_group(
@@ -170,30 +166,17 @@ class ReshardWorkerMixin:
         timeout_s = self.config.group_timeout_s
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         for stage in [my_pp_stage] if train else list(range(pp_size)):
-            deadline = Deadline(timeout_s)
             what = f"nccl_reshard group of stage {stage} ({pp_ips[stage]}:{pp_ports[stage]})"
-            try:
+            try:  # the group's timeout (NCCL's too) is the group timeout
                 store = connect_store(
-                    pp_ips[stage], int(pp_ports[stage]), my_rank_in_group, sub_world_size, deadline
+                    pp_ips[stage], int(pp_ports[stage]), my_rank_in_group, sub_world_size, timeout_s
                 )
-                check_in(
-                    store,
-                    f"rlfleet/reshard/{stage}/join",
-                    my_rank_in_group,
-                    range(sub_world_size),
-                    deadline,
-                    what,
+                group = MemberGroup.create(
+                    store, f"reshard/{stage}", my_rank_in_group, sub_world_size, timeout_s, backend
                 )
             except Exception as exc:
                 raise CommGroupError(f"{what}: {exc}", tuple(getattr(exc, "missing", ()))) from exc
-            scoped = _c10d.PrefixStore(f"rlfleet/reshard/{stage}/pg", store)
-            timeout = datetime.timedelta(seconds=timeout_s)
-            group: Any
-            if backend == "gloo":
-                group = _c10d.ProcessGroupGloo(scoped, my_rank_in_group, sub_world_size, timeout)
-            else:  # pragma: no cover - needs GPUs
-                group = _c10d.ProcessGroupNCCL(scoped, my_rank_in_group, sub_world_size)
-            state.groups[stage] = group
+            state.groups[stage] = group.process_group
             state.stores.append(store)
         state.pp_size = pp_size
         state.my_pp_stage = my_pp_stage if train else -1
@@ -291,10 +274,8 @@ class ReshardWorkerMixin:
                     name,
                 )
             mine[name] = tensor
-        consumer = _WorkerBuffer(mine, program.layout(), int(self._version), self.config.drain_timeout_s)
-        worker_lock = getattr(self, "_serve", None)
-        if isinstance(worker_lock, ServingLock):  # the commit waits for the worker's rollouts
-            consumer.serving_lock = worker_lock
+        consumer = _WorkerBuffer(mine, program.layout(), self._weights.version, self.config.drain_timeout_s)
+        consumer.serving_lock = self._serve  # the commit waits for the worker's rollouts
         return consumer
 
     def nccl_reshard_refit(
@@ -312,16 +293,16 @@ class ReshardWorkerMixin:
         state = self._reshard_state()
         deadline = Deadline(DEFAULT_REFIT_TIMEOUT_S if refit_timeout_s is None else refit_timeout_s)
         if state.sender is not None:
-            v = self._version + 1 if version is None else int(version)
+            v = self._weights.version + 1 if version is None else int(version)
             extras = {"kv_scales": {str(k): float(x) for k, x in kv_scales.items()}} if kv_scales else {}
             state.last = state.sender.send(self.reshard_state_dict(), v, deadline, extras)
-            self._version = v
+            self._weights.version = v
             return
         if state.receiver is None or state.consumer is None:
             raise CommGroupError("nccl_reshard_refit: prepare_nccl_reshard_refit_info() must come first")
         stats = state.receiver.receive(state.consumer, deadline)
         state.last = stats
-        self._version = stats.version
+        self._weights.version = stats.version
         scales = dict(kv_scales or {})
         sent = stats.extras.get("kv_scales")
         if isinstance(sent, dict):

@@ -3,6 +3,7 @@
 from rlfleet.weightsync.__about__ import __version__
 from rlfleet.weightsync._block import adopt, flat_block
 from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, ServingLock, live_tensors
+from rlfleet.weightsync._consumers import DeferredCommit, DiscardingConsumer
 from rlfleet.weightsync._copy import copy_tensors, default_copy_threads
 from rlfleet.weightsync._cuda_ipc import ControlBlock, CudaIpcReceiver, CudaIpcSender
 from rlfleet.weightsync._deadline import (
@@ -21,6 +22,16 @@ from rlfleet.weightsync._dist import (
     map_dist_error,
 )
 from rlfleet.weightsync._dtypes import DTYPES, dtype_from_name, dtype_name
+from rlfleet.weightsync._endpoints import (
+    DirectEndpoint,
+    DoubleEndpoint,
+    ShardedEndpoint,
+    SharedEndpoint,
+    WeightEndpoint,
+    WireReceiver,
+    commit_consumer,
+    create_endpoint,
+)
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
     IncompleteSyncError,
@@ -81,6 +92,7 @@ from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
 from rlfleet.weightsync._shm import SharedSegment, cleanup_stale_segments, process_alive
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
+from rlfleet.weightsync._strategy import WEIGHT_BUFFER_STRATEGIES, WeightBufferStrategy, check_strategy
 from rlfleet.weightsync._wire import (
     BucketTarget,
     Control,
@@ -188,4 +200,18 @@ __all__ = [
     "pack_bucket",
     "typed_view",
     "unpack_bucket_into",
+    # receive strategies (endpoints) and their consumers
+    "WEIGHT_BUFFER_STRATEGIES",
+    "DeferredCommit",
+    "DirectEndpoint",
+    "DiscardingConsumer",
+    "DoubleEndpoint",
+    "ShardedEndpoint",
+    "SharedEndpoint",
+    "WeightBufferStrategy",
+    "WeightEndpoint",
+    "WireReceiver",
+    "check_strategy",
+    "commit_consumer",
+    "create_endpoint",
 ]
