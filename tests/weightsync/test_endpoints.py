@@ -19,6 +19,9 @@ from rlfleet.weightsync import (
     DiscardingConsumer,
     DoubleBuffer,
     IncompleteSyncError,
+    Layout,
+    LayoutMismatchError,
+    ServingLock,
     SharedBuffer,
     SyncTimeoutError,
     VersionError,
@@ -29,6 +32,7 @@ from rlfleet.weightsync import (
     commit_consumer,
     create_endpoint,
     live_tensors,
+    module_part_buffer,
     pack_all,
 )
 from rlfleet.weightsync._shared_buffer import G_DATA_OFFSET, _Header
@@ -241,3 +245,22 @@ def test_every_strategy_over_a_gloo_wire(wire_run: dict[int, Any]) -> None:
     assert [r["reader"]["checksum"] for r in reader_rounds] == want
     assert all(r["zero_copy"] for r in reader_rounds)
     assert wire_run[3]["private"]
+
+
+def test_module_part_buffer_resumes_the_version_and_names_a_mismatch() -> None:
+    module = ew.make_module()
+    part = Layout.from_state_dict({"0.weight": module.state_dict()["0.weight"]}, 1024)
+    lock = ServingLock()
+    buffer = module_part_buffer(module, part, version=3, serving_lock=lock, who="generation worker 1")
+    assert (buffer.version, buffer.serving_lock) == (3, lock)
+    with pytest.raises(VersionError, match="not newer than the applied version 3"):
+        buffer.begin(3)
+    buffer.begin(4)
+    source = torch.full_like(module.state_dict()["0.weight"], 0.5)
+    buffer.consume(0, pack_all(part, {"0.weight": source})[: part.buckets[0].nbytes])
+    buffer.commit(4)
+    assert torch.equal(module.state_dict()["0.weight"], source)
+    other = Layout.from_state_dict({"0.weight": torch.zeros(3, 3)}, 1024)
+    with pytest.raises(LayoutMismatchError, match=r"generation worker 1: parameter '0\.weight' has shape") as info:
+        module_part_buffer(module, other, version=0, who="generation worker 1")
+    assert info.value.parameter == "0.weight"

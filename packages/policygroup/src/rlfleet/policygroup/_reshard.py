@@ -37,11 +37,9 @@ import torch
 from rlfleet.placement import Parallelism, ParamSpec, ReshardPlan, plan_reshard
 from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import CommGroupError
-from rlfleet.policygroup._weights import WorkerWeights
 from rlfleet.weightsync import (
     Deadline,
     DoubleBuffer,
-    LayoutMismatchError,
     MemberGroup,
     PeerGroup,
     RankProgram,
@@ -49,24 +47,15 @@ from rlfleet.weightsync import (
     ReshardSender,
     ReshardStats,
     ServingLock,
+    WorkerWeights,
     connect_store,
     dtype_name,
+    module_part_buffer,
 )
 
 __all__ = ["ReshardWorkerMixin"]
 
 DEFAULT_REFIT_TIMEOUT_S = 120.0
-
-
-class _WorkerBuffer(DoubleBuffer):
-    """A DoubleBuffer ("copy" commit, so views bound to flat slots stay valid) whose applied
-    version starts at the worker's, so a stale version is refused even after a re-prepare."""
-
-    def __init__(
-        self, live: Mapping[str, torch.Tensor], layout: Any, version: int, commit_timeout_s: float
-    ) -> None:
-        super().__init__(live, layout, mode="copy", commit_timeout_s=commit_timeout_s)
-        self._version = version
 
 
 @dataclass
@@ -83,7 +72,7 @@ class _ReshardState:
     program: RankProgram | None = None
     sender: ReshardSender | None = None
     receiver: ReshardReceiver | None = None
-    consumer: _WorkerBuffer | None = None
+    consumer: DoubleBuffer | None = None
     last: ReshardStats | None = None
     kv_scales: dict[str, float] = field(default_factory=dict)
 
@@ -244,7 +233,11 @@ class ReshardWorkerMixin:
             state.sender = ReshardSender(program, peer_groups, bucket_bytes=bucket_bytes)
         else:
             state.receiver = ReshardReceiver(program, peer_groups, bucket_bytes=bucket_bytes)
-            state.consumer = self._reshard_consumer(program)
+            version, who = self._weights.version, f"generation worker {self.index}"
+            layout, drain = program.layout(), self.config.drain_timeout_s
+            state.consumer = module_part_buffer(
+                self.model, layout, version=version, serving_lock=self._serve, commit_timeout_s=drain, who=who
+            )
         summary = plan.summary()
         return {
             "digest": plan.digest,
@@ -259,24 +252,6 @@ class ReshardWorkerMixin:
             "peers": [r for _, r in program.peers()],
             "tensors": len(program.tensors),
         }
-
-    def _reshard_consumer(self, program: RankProgram) -> _WorkerBuffer:
-        live = dict(self.model.state_dict(keep_vars=True))
-        mine: dict[str, torch.Tensor] = {}
-        for name, shape, dtype in program.tensors:
-            tensor = live.get(name)
-            if tensor is None:
-                raise LayoutMismatchError(f"generation worker {self.index}: the model has no {name!r}", name)
-            if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
-                raise LayoutMismatchError(
-                    f"generation worker {self.index}: {name!r} is {dtype_name(tensor.dtype)} "
-                    f"{tuple(tensor.shape)}, its planned shard is {dtype} {shape}",
-                    name,
-                )
-            mine[name] = tensor
-        consumer = _WorkerBuffer(mine, program.layout(), self._weights.version, self.config.drain_timeout_s)
-        consumer.serving_lock = self._serve  # the commit waits for the worker's rollouts
-        return consumer
 
     def nccl_reshard_refit(
         self,

@@ -26,13 +26,13 @@ from rlfleet.policygroup._config import PolicyConfig, TrainConfig
 from rlfleet.policygroup._errors import WorkerDiedError
 from rlfleet.policygroup._offload import Offload
 from rlfleet.policygroup._reshard import ReshardWorkerMixin
-from rlfleet.policygroup._weights import WorkerWeights
 from rlfleet.policygroup._worker_comm import CommGroupCalls, WorkerComm
 from rlfleet.weightsync import (
     Deadline,
     Layout,
     ServingLock,
     WeightEndpoint,
+    WorkerWeights,
     checksum,
     fingerprint,
     stand_down_armed_watchdogs,
@@ -86,7 +86,15 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
         self._timings: dict[str, list[float]] = {}
         self._ref_model: torch.nn.Module | None = None
         self._comm = WorkerComm(self.config.group_timeout_s)
-        self._weights = WorkerWeights(self.config, self._serve, self._who)
+        c = self.config
+        self._weights = WorkerWeights(
+            self._serve,
+            self._who,
+            bucket_bytes=c.weight_buffer.bucket_bytes,
+            commit_timeout_s=c.drain_timeout_s,
+            attach_timeout_s=c.group_timeout_s,
+            write_timeout_s=c.sync_timeout_s,
+        )
         self._checkpoints = Checkpoints()
         self._offload = Offload(self.device)
         self._profiler = _device.Profiler()

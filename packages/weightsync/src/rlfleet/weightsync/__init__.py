@@ -3,7 +3,7 @@
 from rlfleet.weightsync.__about__ import __version__
 from rlfleet.weightsync._block import adopt, flat_block
 from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, ServingLock, live_tensors
-from rlfleet.weightsync._consumers import DeferredCommit, DiscardingConsumer
+from rlfleet.weightsync._consumers import DeferredCommit, DiscardingConsumer, module_part_buffer
 from rlfleet.weightsync._copy import copy_tensors, default_copy_threads
 from rlfleet.weightsync._cuda_ipc import ControlBlock, CudaIpcReceiver, CudaIpcSender
 from rlfleet.weightsync._deadline import (
@@ -22,6 +22,7 @@ from rlfleet.weightsync._dist import (
     map_dist_error,
 )
 from rlfleet.weightsync._dtypes import DTYPES, dtype_from_name, dtype_name
+from rlfleet.weightsync._endpoint_worker import WorkerWeights
 from rlfleet.weightsync._endpoints import (
     DirectEndpoint,
     DoubleEndpoint,
@@ -211,7 +212,9 @@ __all__ = [
     "WeightBufferStrategy",
     "WeightEndpoint",
     "WireReceiver",
+    "WorkerWeights",
     "check_strategy",
     "commit_consumer",
     "create_endpoint",
+    "module_part_buffer",
 ]

@@ -6,6 +6,8 @@
 - `DeferredCommit`: stages through an inner buffer and leaves the inner commit for later. A
   transport commits every receiver when the transfer ends; a rolling update wants the transfer
   finished everywhere first and each receiver's swap later, while that receiver is drained.
+- `module_part_buffer`: a Double buffer over the part of a module a layout names (one rank's
+  shards of a resharded model), resuming at the module's version.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import threading
 
 import torch
 
+from rlfleet.weightsync._buffers import DEFAULT_COMMIT_TIMEOUT_S, DoubleBuffer, ServingLock, live_tensors
 from rlfleet.weightsync._deadline import Deadline
-from rlfleet.weightsync._errors import IncompleteSyncError, VersionError
+from rlfleet.weightsync._errors import IncompleteSyncError, LayoutMismatchError, VersionError
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._protocol import BucketConsumer
 
-__all__ = ["DeferredCommit", "DiscardingConsumer"]
+__all__ = ["DeferredCommit", "DiscardingConsumer", "module_part_buffer"]
 
 
 class DiscardingConsumer:
@@ -114,3 +117,39 @@ class DeferredCommit:
         with self._lock:
             self.staged, self._pending, self._arrived = None, None, set()
         self.inner.abort(error)
+
+
+class _ResumedBuffer(DoubleBuffer):
+    """A copy-mode DoubleBuffer whose applied version starts at `version`, not -1."""
+
+    def __init__(
+        self, live: dict[str, torch.Tensor], layout: Layout, version: int, commit_timeout_s: float
+    ) -> None:
+        super().__init__(live, layout, mode="copy", commit_timeout_s=commit_timeout_s)
+        self._version = version
+
+
+def module_part_buffer(
+    module: torch.nn.Module,
+    layout: Layout,
+    *,
+    version: int,
+    serving_lock: ServingLock | None = None,
+    commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
+    who: str = "receiver",
+) -> DoubleBuffer:
+    """A Double buffer ("copy" commit: views bound to the live tensors stay valid) over the
+    tensors of `module` that `layout` names. Its applied version starts at `version`, so a
+    stale version is refused even after a rebuild; its commit waits for `serving_lock`'s
+    holders (the worker's requests). A missing or different tensor raises LayoutMismatchError
+    naming it."""
+    live = live_tensors(module)
+    part = {spec.name: live[spec.name] for spec in layout.tensors if spec.name in live}
+    try:
+        layout.check_state_dict(part)
+    except LayoutMismatchError as exc:
+        raise LayoutMismatchError(f"{who}: {exc}", exc.parameter) from None
+    buffer = _ResumedBuffer(part, layout, version, commit_timeout_s)
+    if serving_lock is not None:
+        buffer.serving_lock = serving_lock
+    return buffer

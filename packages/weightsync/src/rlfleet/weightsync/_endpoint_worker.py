@@ -1,10 +1,10 @@
-"""A worker's weights as the group moves them, over rlfleet.weightsync.
+"""A worker's weights as syncs move them: what one process keeps from one sync to the next.
 
-Three things, each optional: the node buffer this worker writes (a weightsync `SharedBuffer`:
-a trainer on the node publishes each version into it once, or the one rollout worker that
-receives for the node lands the broadcast in it), the layout it sends with, and the endpoint
-it receives through (weightsync's `create_endpoint`: one strategy at a time). What is left here
-is the wiring the group asks for by name and the version a worker reports without an endpoint.
+Three things, each optional: the node buffer it writes (a `SharedBuffer`: a trainer on the node
+publishes each version into it once, or the one rollout worker that receives for the node lands
+a broadcast in it), the layout it sends with, and the endpoint it receives through
+(`create_endpoint`: one strategy at a time). Its `version` is the endpoint's when there is one,
+so a worker reports one version whatever its role.
 """
 
 from __future__ import annotations
@@ -15,28 +15,43 @@ from typing import Any
 
 import torch
 
-from rlfleet.policygroup._config import PolicyConfig
-from rlfleet.weightsync import (
-    Deadline,
-    Layout,
-    LayoutMismatchError,
-    ServingLock,
-    SharedBuffer,
-    WeightEndpoint,
-    WeightSyncError,
-    check_strategy,
-    cleanup_stale_segments,
-    create_endpoint,
-)
+from rlfleet.weightsync._buffers import ServingLock
+from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._endpoints import DEFAULT_TIMEOUT_S, WeightEndpoint, create_endpoint
+from rlfleet.weightsync._errors import LayoutMismatchError, WeightSyncError
+from rlfleet.weightsync._layout import DEFAULT_BUCKET_BYTES, Layout
+from rlfleet.weightsync._shared_buffer import SharedBuffer
+from rlfleet.weightsync._shm import cleanup_stale_segments
+from rlfleet.weightsync._strategy import check_strategy
+
+__all__ = ["WorkerWeights"]
 
 
 class WorkerWeights:
-    """Node buffer writer, send layout and receive endpoint of one worker."""
+    """Node buffer writer, send layout and receive endpoint of one worker.
 
-    def __init__(self, config: PolicyConfig, serving_lock: ServingLock, who: Callable[[], str]) -> None:
-        self.config = config
+    `serving_lock`: the worker's (its endpoint applies under it); `who`: names the worker in
+    errors; `bucket_bytes`: the layout's bucket size when no sender's layout is given;
+    `commit_timeout_s`: an apply's drain; `attach_timeout_s`: joining a node buffer;
+    `write_timeout_s`: a node buffer writer's wait for its readers.
+    """
+
+    def __init__(
+        self,
+        serving_lock: ServingLock,
+        who: Callable[[], str] = lambda: "worker",
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        commit_timeout_s: float = DEFAULT_TIMEOUT_S,
+        attach_timeout_s: float = DEFAULT_TIMEOUT_S,
+        write_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self.serving_lock = serving_lock
-        self.who = who  # names the worker in errors
+        self.who = who
+        self.bucket_bytes = bucket_bytes
+        self.commit_timeout_s = commit_timeout_s
+        self.attach_timeout_s = attach_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.endpoint: WeightEndpoint | None = None
         self.node_writer: SharedBuffer | None = None
         self.sender_layout: Layout | None = None
@@ -71,9 +86,7 @@ class WorkerWeights:
         """Receive with `strategy` from now on. `node`: the node buffer's "name" (and "rank",
         "world_size" for "Sharded"); `sender`: the trainers' layout, which ours must equal."""
         check_strategy(strategy)
-        bucket_bytes = (
-            self.config.weight_buffer.bucket_bytes if sender is None else int(sender["bucket_bytes"])
-        )
+        bucket_bytes = self.bucket_bytes if sender is None else int(sender["bucket_bytes"])
         mine = Layout.from_state_dict(module.state_dict(), bucket_bytes)
         if sender is not None:
             try:
@@ -95,8 +108,8 @@ class WorkerWeights:
             shard=shard,
             version=self._version,
             serving_lock=self.serving_lock,
-            commit_timeout_s=self.config.drain_timeout_s,
-            attach_timeout_s=self.config.group_timeout_s,
+            commit_timeout_s=self.commit_timeout_s,
+            attach_timeout_s=self.attach_timeout_s,
         )
         return self.endpoint
 
@@ -141,7 +154,7 @@ class WorkerWeights:
         self.node_writer = SharedBuffer(
             Layout.from_dict(layout),
             num_readers,
-            timeout_s=self.config.sync_timeout_s,
+            timeout_s=self.write_timeout_s,
             prefix=prefix,
             checksums=checksums,
         )
