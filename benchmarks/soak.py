@@ -124,8 +124,8 @@ class SoakPolicy(BasePolicy):
     def _hook(self) -> None:
         if self._armed != "consume":
             return
-        for consumer in (self._buffer, self._shared_writer):
-            if consumer is not None and "consume" not in vars(consumer):
+        for consumer in self._weights.consumers():
+            if "consume" not in vars(consumer):
                 original = consumer.consume
 
                 def consume(index: int, data: torch.Tensor, original: Any = original) -> None:
@@ -246,8 +246,9 @@ class Soak:
 
     def names_in_group(self) -> set[str]:
         assert self.group is not None
-        wids = {self.group._wid(p) for p in self.group.eval_list}
-        return {n for n, a in self.actors.items() if n != "train0" and self.group._wid(a) in wids}
+        wid = self.group._roster.wid
+        wids = {wid(p) for p in self.group.eval_list}
+        return {n for n, a in self.actors.items() if n != "train0" and wid(a) in wids}
 
     # -- groups ---------------------------------------------------------------------------
     def build_group(self, strategy: str) -> None:

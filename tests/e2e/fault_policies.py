@@ -120,7 +120,7 @@ class FaultPolicy(BasePolicy):
         self.model = make_model(kind)
         if rederive:
             self._weights.sender_layout = None
-            self._comm.forget_wires()
+            self._comm.forget_broadcasts()
         if self.optimizer is not None:
             self.optimizer = self.build_optimizer(self.train_config)
 
@@ -150,10 +150,8 @@ class FaultPolicy(BasePolicy):
         """Fire "consume" after the first bucket a buffer takes (any strategy, any transport)."""
         if "consume" not in self._faults:
             return
-        endpoint = self._weights.endpoint
-        inner = getattr(endpoint, "_buffer", None) or getattr(endpoint, "_shares", None)
-        for consumer in (inner, self._weights.node_writer):
-            if consumer is None or "consume" in vars(consumer):
+        for consumer in self._weights.consumers():
+            if "consume" in vars(consumer):
                 continue
             original = consumer.consume
 

@@ -122,7 +122,7 @@ def make_group(actors: dict[str, Any], strategy: str, evals: tuple[str, ...] = E
 
 
 def eval_state(group: PolicyGroup) -> list[tuple[int, str]]:
-    """(version, checksum) of every eval policy, in eval_list order."""
+    """(version, checksum) of every rollout worker, in eval_list order."""
     versions = ray.get([p.get_weight_version.remote() for p in group.eval_list], timeout=60)
     sums = ray.get([p.get_weight_checksum.remote() for p in group.eval_list], timeout=60)
     return list(zip(versions, sums, strict=True))
@@ -233,7 +233,7 @@ def test_trainer_killed_mid_sync_receivers_abort_and_keep_their_weights(
         # the receiver SIGKILLs the trainer after taking the first bucket: mid-stream
         ray.get(receiver.arm.remote("consume", "kill", sender_pid), timeout=30)
         start = time.monotonic()
-        with pytest.raises(TrainWorkerDiedError, match=r"train policy \d died"):
+        with pytest.raises(TrainWorkerDiedError, match=r"trainer \d died"):
             group.sync_weights()
         seconds = time.monotonic() - start
         assert seconds < SYNC_TIMEOUT_S + 15.0, seconds
@@ -359,7 +359,7 @@ def test_layout_mismatch_names_the_parameter_and_applies_nothing(
 ) -> None:
     param = fp.MUTATED_PARAMETER[mutation]
     start = time.monotonic()
-    # an eval policy whose model differs: refused when its buffer is set up
+    # a rollout worker whose model differs: refused when its buffer is set up
     ray.get(actors["eval3"].mutate.remote(mutation), timeout=30)
     own = ray.get(actors["eval3"].get_weight_checksum.remote(), timeout=30)
     group = PolicyGroup([actors["train0"]], [actors["eval3"]], config("Double"))
@@ -449,11 +449,11 @@ def test_comm_group_member_that_never_joins_is_named_within_the_deadline(
         # every other rank gives up after group_timeout_s; the driver's wait has 15 s of margin
         assert seconds < GROUP_TIMEOUT_S + 15.0 + 10.0, seconds
         message = str(info.value)
-        assert re.search(r"rank \d+ \(eval policy 2\b", message), message
+        assert re.search(r"rank \d+ \(rollout worker 2\b", message), message
     finally:
         ray.get(actors["eval2"].release.remote(), timeout=30)
         group.shutdown()
-    report("comm group: eval policy 2 never joins", "CommGroupError names its rank", seconds)
+    report("comm group: rollout worker 2 never joins", "CommGroupError names its rank", seconds)
 
 
 # ------------------------------------------------------------------ restart and rejoin

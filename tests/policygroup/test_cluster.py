@@ -83,7 +83,7 @@ def make_group(
     group.init_placement_info(is_colocated=colocated)
     group.init_weight_buffer()
     group.init_comm_group("gloo", is_colocated=colocated)
-    group.sync_weights()  # eval policies start from the trainers' weights (they served other groups before)
+    group.sync_weights()  # rollout workers start from the trainers' weights (they served other groups before)
     return group
 
 
@@ -305,9 +305,9 @@ def test_zzz_dead_train_worker_is_a_clear_error(actors: dict[str, Any]) -> None:
     group = make_group(actors, config("Double"), evals=("eval0", "eval1"))
     try:
         ray.kill(actors["train1"], no_restart=True)
-        with pytest.raises(TrainWorkerDiedError, match="train policy 1"):
+        with pytest.raises(TrainWorkerDiedError, match="trainer 1"):
             group.sync_weights()
-        with pytest.raises(TrainWorkerDiedError, match="train policy 1"):
+        with pytest.raises(TrainWorkerDiedError, match="trainer 1"):
             group.train(None, seed=1)
     finally:
         group.shutdown()

@@ -261,6 +261,8 @@ def test_module_part_buffer_resumes_the_version_and_names_a_mismatch() -> None:
     buffer.commit(4)
     assert torch.equal(module.state_dict()["0.weight"], source)
     other = Layout.from_state_dict({"0.weight": torch.zeros(3, 3)}, 1024)
-    with pytest.raises(LayoutMismatchError, match=r"generation worker 1: parameter '0\.weight' has shape") as info:
+    with pytest.raises(
+        LayoutMismatchError, match=r"generation worker 1: parameter '0\.weight' has shape"
+    ) as info:
         module_part_buffer(module, other, version=0, who="generation worker 1")
     assert info.value.parameter == "0.weight"

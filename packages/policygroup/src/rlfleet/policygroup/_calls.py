@@ -22,7 +22,7 @@ from rlfleet.policygroup._errors import (
     WorkerDiedError,
 )
 from rlfleet.policygroup._submitter import actor_key, is_remote
-from rlfleet.policygroup._worker import PolicyRole
+from rlfleet.policygroup._worker import ROLE_NAMES, PolicyRole
 from rlfleet.weightsync import LayoutMismatchError
 
 Policy = Any  # BasePolicy | ray.actor.ActorHandle
@@ -105,7 +105,7 @@ class Roster:
         for role, members in self.policy_list.items():
             for i, p in enumerate(members):
                 if p is policy or self.wid(p) == self.wid(policy):
-                    return f"{role.value} policy {i}"
+                    return f"{ROLE_NAMES[role]} {i}"
         return f"policy {self.wid(policy)}"
 
     def names(self) -> dict[Hashable, str]:

@@ -19,7 +19,7 @@ class WeightBufferConfig:
 
     ``buffer_strategy``: "None" applies in place (the receiver is drained for the transfer),
     "Double" stages a full private copy and swaps it in (serving goes on during the transfer),
-    "Shared" keeps one two-slot shared-memory buffer per node that every local eval policy reads
+    "Shared" keeps one two-slot shared-memory buffer per node that every local rollout worker reads
     zero-copy (needs ``type="CPUWeightBuffer"``), "Sharded" needs ``type="ShardedWeightBuffer"``.
     ``checksums``: the node's shared buffer stores a CRC32 per bucket, checked by every eval
     before it applies a version (a corrupted byte is refused, not served). Off by default, as
@@ -121,7 +121,7 @@ class PolicyConfig:
 
 @dataclass
 class TrainConfig:
-    """What a train policy needs to set up its optimiser (user policies may read more fields)."""
+    """What a trainer needs to set up its optimiser (user policies may read more fields)."""
 
     lr: float = 1e-3
     seed: int = 0

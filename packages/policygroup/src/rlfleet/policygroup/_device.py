@@ -1,8 +1,8 @@
 """Device introspection and profiling for a worker (NeMo RL's device calls), on CPU and CUDA.
 
-Where the worker runs (Ray node id, node address, GPU ids), what its device is and holds, and
-a torch profiler that starts and stops on one thread of its own (a Ray actor serves calls on
-many threads, and the profiler must stop on the thread that started it).
+Where the worker runs (Ray node id, node address, GPU ids), what its device is and holds, a
+torch profiler that starts and stops on one thread of its own (a Ray actor serves calls on
+many threads, and the profiler must stop on the thread that started it), and call timings.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import platform
 import socket
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -159,3 +160,30 @@ class Profiler:
 
         self._run(stop, 120)
         return path
+
+
+class Timings:
+    """Count and total seconds of each kind of call (the seed's `print_timing_summary`)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, list[float]] = {}
+
+    def add(self, name: str, start: float) -> None:
+        """One call of `name` that started at `start` (``time.perf_counter()``) ended now."""
+        entry = self._entries.setdefault(name, [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += time.perf_counter() - start
+
+    def summary(self, who: str, reset: bool = False) -> dict[str, dict[str, float]]:
+        """Print and return count, total and mean seconds by name; `reset` starts counting anew."""
+        out = {
+            n: {"count": c, "total_s": t, "mean_s": t / c if c else 0.0}
+            for n, (c, t) in sorted(self._entries.items())
+        }
+        for n, e in out.items():
+            print(
+                f"[{who}] {n}: n={int(e['count'])} total={e['total_s']:.4f}s mean={e['mean_s'] * 1e3:.3f}ms"
+            )
+        if reset:
+            self._entries.clear()
+        return out

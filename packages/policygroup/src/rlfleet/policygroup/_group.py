@@ -85,7 +85,7 @@ class PolicyGroup:
             PolicyRole.EVAL: self._eval_task_submitter,
         }
         self._roles = RoleChanges(
-            self._calls, self._rollouts, submitters, self._processes.node_of, self._rewire
+            self._calls, self._rollouts, submitters, self._processes.node_of, self._rebuild
         )
         self._owned_actors = list(owned_actors)
         self._placement_groups = list(placement_groups)
@@ -162,7 +162,7 @@ class PolicyGroup:
     def init_weight_buffer(self) -> None:
         """Prepare every rollout worker to receive weights with the configured strategy."""
         with self._lock:
-            self._sync.wire_buffers()
+            self._sync.prepare_buffers()
 
     def init_comm_group(self, backend: str = "nccl", is_colocated: bool = False) -> None:
         """Create the world group, intra-node groups, one group per broadcast and the train
@@ -173,7 +173,7 @@ class PolicyGroup:
                 return
             if backend == "nccl" and self.config.train_num_gpus == 0 and self.config.eval_num_gpus == 0:
                 backend = "gloo"  # no GPUs: the seed's default backend cannot run
-            self._sync.wire_groups(backend)
+            self._sync.form_groups(backend)
 
     # ================================================================== rollouts
     def rollout_batch(self, batched_env_ret: BatchedData[Any]) -> BatchedData[Any]:
@@ -224,7 +224,7 @@ class PolicyGroup:
             if err is not None or not value:
                 name, why = self._roster.name(p), err or "timed out"
                 logger.warning(
-                    "[WeightConsistency] Eval policy %d (%s) weight update not done: %s", i, name, why
+                    "[WeightConsistency] rollout worker %d (%s) weight update not done: %s", i, name, why
                 )
         return all(err is None and value for value, err in results)
 
@@ -243,7 +243,7 @@ class PolicyGroup:
             if problems:
                 all_ok = False
                 logger.warning(
-                    "[WeightConsistency] Eval policy %d has %d mismatched parameter(s): %s",
+                    "[WeightConsistency] rollout worker %d has %d mismatched parameter(s): %s",
                     i,
                     len(problems),
                     "; ".join(problems[:10]),
@@ -257,7 +257,7 @@ class PolicyGroup:
             i for i, s in enumerate(self._calls.call_all(self.eval_list, "get_weight_checksum")) if s != ref
         ]
         if bad:
-            logger.warning("[WeightConsistency] eval policies %s differ from train policy 0", bad)
+            logger.warning("[WeightConsistency] rollout workers %s differ from trainer 0", bad)
         return not bad
 
     # ================================================================== training
@@ -269,9 +269,7 @@ class PolicyGroup:
 
     def update_dataset(self, sample_data: list[Any]) -> list[Any]:
         if len(sample_data) != len(self.train_list):
-            raise ValueError(
-                f"update_dataset: {len(sample_data)} shards for {len(self.train_list)} train policies"
-            )
+            raise ValueError(f"update_dataset: {len(sample_data)} shards for {len(self.train_list)} trainers")
         submit = self._train_task_submitter.submit
         return [submit(p.update_dataset, d) for p, d in zip(self.train_list, sample_data, strict=True)]
 
@@ -312,7 +310,7 @@ class PolicyGroup:
 
     # ================================================================== membership and faults
     def push(self, policy_worker: Policy, role: PolicyRole) -> None:
-        """Add a worker to a role (call the init_* steps again to wire it in)."""
+        """Add a worker to a role (call the init_* steps again to connect it)."""
         self._roles.push(policy_worker, role)
 
     def pop(self, role: PolicyRole) -> Policy:
@@ -328,7 +326,7 @@ class PolicyGroup:
         with self._lock:
             self._roles.eval_to_train(num)
 
-    def _rewire(self) -> None:
+    def _rebuild(self) -> None:
         """After a role change: placement, buffers, groups rebuilt, then weights made consistent."""
         self._calls.call_all(self.train_list + self.eval_list, "release_weight_buffers")
         self.init_placement_info(self._processes.colocated)

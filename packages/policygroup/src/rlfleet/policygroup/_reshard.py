@@ -4,7 +4,7 @@ Training and generation shard the model differently; instead of broadcasting the
 to every generation rank, each generation rank receives exactly its own shard, point to point,
 from data-parallel replicas striped across the training ranks. The plan is
 ``rlfleet.placement.plan_reshard``; the transfer is rlfleet.weightsync's `ReshardSender` /
-`ReshardReceiver` (versioned, atomic, deadline-bounded). This module only wires them into a
+`ReshardReceiver` (versioned, atomic, deadline-bounded). This module only connects them to a
 worker, with the seed's names and arguments:
 
 - ``init_nccl_reshard_comm_group(pp_ips, pp_ports, pp_size, my_pp_stage, sub_world_size,

@@ -2,7 +2,7 @@
 
 A converted worker keeps its weights; a rollout worker that becomes a trainer first takes the
 training state (model and optimizer) of trainer 0, so data-parallel training stays in step.
-Afterwards the group is rewired (placement, buffers, groups) and synced once, so every rollout
+Afterwards the group is rebuilt (placement, buffers, groups) and synced once, so every rollout
 worker serves the trainers' weights again.
 """
 
@@ -15,11 +15,11 @@ from rlfleet.policygroup._calls import Calls, Policy
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup._rollout import Rollouts
 from rlfleet.policygroup._submitter import TaskSubmitter
-from rlfleet.policygroup._worker import PolicyRole
+from rlfleet.policygroup._worker import ROLE_NAMES, PolicyRole
 
 
 class RoleChanges:
-    """push / pop / convert for a group; `rewire` rebuilds and syncs it afterwards."""
+    """push / pop / convert for a group; `rebuild` rebuilds and syncs it afterwards."""
 
     def __init__(
         self,
@@ -27,15 +27,15 @@ class RoleChanges:
         rollouts: Rollouts,
         submitters: Mapping[PolicyRole, TaskSubmitter],
         node_of: Mapping[Hashable, Any],
-        rewire: Callable[[], None],
+        rebuild: Callable[[], None],
     ) -> None:
         self.calls, self.roster, self.rollouts = calls, calls.roster, rollouts
         self.submitters = submitters
         self.node_of = node_of
-        self.rewire = rewire
+        self.rebuild = rebuild
 
     def push(self, policy: Policy, role: PolicyRole) -> None:
-        """Add a worker to a role (call the init_* steps again to wire it in)."""
+        """Add a worker to a role (call the init_* steps again to connect it)."""
         role = PolicyRole(role)
         self.roster.policy_list[role].append(policy)
         if role == PolicyRole.EVAL:
@@ -53,7 +53,7 @@ class RoleChanges:
         members = self.roster.policy_list[role]
         if not 0 < num < len(members):
             raise ValueError(
-                f"{what}({num}): have {len(members)} {role.value} policies, at least one must stay"
+                f"{what}({num}): have {len(members)} {ROLE_NAMES[role]}s, at least one must stay"
             )
         return members[-num:]
 
@@ -74,13 +74,13 @@ class RoleChanges:
             self.roster.eval_list.append(p)
             self.calls.call_all([p], "init_eval", None, None)
             self.rollouts.add(p, self.node_of)
-        self.rewire()
+        self.rebuild()
 
     def eval_to_train(self, num: int) -> None:
         """Turn the last `num` rollout workers into trainers, in step with trainer 0."""
         moved = self._last(PolicyRole.EVAL, num, "convert_eval_to_train")
         if not self.roster.train_list:
-            raise PolicyGroupError("convert_eval_to_train: no train policy to copy the training state from")
+            raise PolicyGroupError("convert_eval_to_train: no trainer to copy the training state from")
         self.rollouts.drain(moved)
         self._take(PolicyRole.EVAL, moved)
         for p in moved:
@@ -92,4 +92,4 @@ class RoleChanges:
             self.calls.call_all([p], "init_train", state.get("train_config"), None)
             self.calls.call_all([p], "load_training_state", state)  # model and optimizer in step
             self.roster.train_list.append(p)
-        self.rewire()
+        self.rebuild()

@@ -1,5 +1,6 @@
-"""Sync execution: the group's steps (`plan`), the buffers and groups they need (`wire_*`), one
-run of them for a version (`send`, which reports a `SyncOutcome`), and the rolling apply.
+"""Sync execution: the group's steps (`plan`), the node buffers and groups they need
+(`prepare_buffers`, `form_groups`), one run of them for a version (`send`, which reports a
+`SyncOutcome`), and the rolling apply (`apply`).
 
 A run starts every step's calls at once and orders them only through Ray: a rollout worker's
 read of a node buffer takes the call that fills it as an argument. A rollout worker that died
@@ -42,7 +43,7 @@ class SyncOutcome:
 
 
 class WeightSync:
-    """Plans, wires, runs and applies weight syncs over the group's processes."""
+    """Plans, prepares, runs and applies weight syncs over the group's processes."""
 
     def __init__(
         self,
@@ -58,18 +59,18 @@ class WeightSync:
         self.config = config
         self.uid = uid
         self.liveness, self.drop = liveness, drop
-        self.strategy: str | None = None  # set by wire_buffers
+        self.strategy: str | None = None  # set by prepare_buffers
         self.steps: list[Step] = []
         self.node_buffers: dict[Any, dict[str, Any]] = {}  # the seed's shared_weight_buffer_map
         self.version = 0
         self.staged: int | None = None
-        self.dirty = False  # a node buffer's writer or readers changed: rewire before the next send
+        self.dirty = False  # a node buffer's writer or readers changed: prepare again before the next send
         self.last: SyncOutcome | None = None
         self.world: CommGroupPlan | None = None
         self.backend = "gloo"
         self.gather_groups: dict[Any, str] = {}  # "Sharded": each node's rollout workers gather
         self._layout: dict[str, Any] | None = None
-        self._wired: dict[Any, tuple[Hashable, frozenset[Hashable]]] = {}
+        self._prepared: dict[Any, tuple[Hashable, frozenset[Hashable]]] = {}
         self._groups_made: dict[tuple[int, ...], str] = {}
         self._rank_of: dict[Hashable, int] = {}
         self._rebuilds = 0
@@ -103,13 +104,13 @@ class WeightSync:
         }
 
     # -- wiring ---------------------------------------------------------------------------
-    def wire_buffers(self) -> None:
+    def prepare_buffers(self) -> None:
         """Node buffers for the steps, and every rollout worker's endpoint (`init_weight_buffer`)."""
         strategy = self.config.weight_buffer.buffer_strategy
         roster, calls = self.roster, self.calls
         if strategy == "Sharded" and not all(is_remote(p) for p in roster.train_list + roster.eval_list):
             raise PolicyGroupError(
-                "buffer_strategy 'Sharded' needs Ray actors: a node's eval policies gather their "
+                "buffer_strategy 'Sharded' needs Ray actors: a node's rollout workers gather their "
                 "shards over a communication group at each swap"
             )
         self.strategy = strategy
@@ -123,7 +124,7 @@ class WeightSync:
             for entry in self.processes.placement_info.values():
                 for i, p in enumerate(entry["eval_policies"]):
                     specs[roster.wid(p)].update(rank=i, world_size=len(entry["eval_policies"]))
-        self._wired = self._signature()
+        self._prepared = self._signature()
         ends = [
             (
                 p,
@@ -184,7 +185,7 @@ class WeightSync:
                 specs[self.roster.wid(p)].update(spec)
         return specs
 
-    def wire_groups(self, backend: str) -> None:
+    def form_groups(self, backend: str) -> None:
         """The world group, intra-node groups, one group per broadcast step and the train
         data-parallel group (rlfleet.placement's plan), on the actors, bounded (`init_comm_group`)."""
         roster, processes = self.roster, self.processes
@@ -241,20 +242,20 @@ class WeightSync:
             self.world, groups, by_wid, self.roster.names(), self.backend, self.config.group_timeout_s
         )
 
-    def rewire_if_needed(self) -> None:
+    def refresh_before_send(self) -> None:
         """Before a send: groups for new broadcasts, node buffers for changed readers."""
         self._ensure_groups()
         if self.strategy != "Shared":  # a re-plan can give a node's trainer new readers
-            before = self._wired
+            before = self._prepared
             self.dirty |= any(
                 n not in before or w != before[n][0] or not readers <= before[n][1]
                 for n, (w, readers) in self._signature().items()
             )
         if self.dirty:
             self.dirty = False
-            self.wire_buffers()  # a node buffer's writer or shard count changed
+            self.prepare_buffers()  # a node buffer's writer or shard count changed
             if self.strategy == "Sharded":  # gather groups are torch groups: a new world
-                self.wire_groups(self.backend)
+                self.form_groups(self.backend)
 
     # -- a run ----------------------------------------------------------------------------
     def run(self, version: int) -> list[tuple[Policy, Outcome]]:
@@ -297,13 +298,13 @@ class WeightSync:
         """Stage `version` on every rollout worker ("None": applied in place, the workers drained)."""
         roster, start = self.roster, time.perf_counter()
         if not roster.train_list:
-            raise PolicyGroupError("send_weights: the group has no train policy")
+            raise PolicyGroupError("send_weights: the group has no trainer")
         if self.strategy is None:
             raise PolicyGroupError("send_weights: call init_placement_info() and init_weight_buffer() first")
         self.liveness()
         if not roster.eval_list:
             return SyncOutcome(version, 0, time.perf_counter() - start)
-        self.rewire_if_needed()
+        self.refresh_before_send()
         in_place = self.strategy == "None"
         if in_place:
             self.rollouts.drain(roster.eval_list)
@@ -340,7 +341,7 @@ class WeightSync:
             self.rollouts.undrain(roster.eval_list)
         if retry and len(roster.eval_list) < before:
             logger.warning(
-                "[PolicyGroup] send_weights v%d: retrying for %d surviving eval policies",
+                "[PolicyGroup] send_weights v%d: retrying for %d surviving rollout workers",
                 version,
                 len(roster.eval_list),
             )

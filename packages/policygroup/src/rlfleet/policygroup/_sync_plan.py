@@ -131,9 +131,11 @@ def plan_steps(processes: Processes, shared: bool) -> list[Step]:
                     same[0][1].append(r)
                 else:
                     cross.append((sender, [r], r_node))
-    wire = {processes.roster.wid(r) for _, rs, _ in cross for r in rs}
-    if shared:  # a rollout worker that receives over the wire never also reads its node buffer
-        readers = {n: [r for r in rs if processes.roster.wid(r) not in wire] for n, rs in readers.items()}
+    broadcast_to = {processes.roster.wid(r) for _, rs, _ in cross for r in rs}
+    if shared:  # a rollout worker that receives a broadcast never also reads its node buffer
+        readers = {
+            n: [r for r in rs if processes.roster.wid(r) not in broadcast_to] for n, rs in readers.items()
+        }
     steps = [Step(0, NODE_BUFFER, w, readers.get(n, []), n) for n, w in writers.items()]
     for sender, receivers, r_node in cross:
         steps.append(Step(0, BROADCAST, sender, receivers, r_node))

@@ -46,6 +46,9 @@ class PolicyRole(str, enum.Enum):
     EVAL = "eval"
 
 
+ROLE_NAMES = {PolicyRole.TRAIN: "trainer", PolicyRole.EVAL: "rollout worker"}  # in messages
+
+
 class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
     """A trainer or rollout worker; subclass it with a model, a rollout step and a train step.
 
@@ -83,27 +86,27 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
         self._serve = ServingLock()  # rollouts share it; a weight swap takes it exclusively
         self._count_lock = threading.Lock()
         self._num_requests = 0
-        self._timings: dict[str, list[float]] = {}
+        self._timings = _device.Timings()
         self._ref_model: torch.nn.Module | None = None
         self._comm = WorkerComm(self.config.group_timeout_s)
         c = self.config
+        timeouts = {"commit_timeout_s": c.drain_timeout_s, "attach_timeout_s": c.group_timeout_s}
         self._weights = WorkerWeights(
             self._serve,
             self._who,
             bucket_bytes=c.weight_buffer.bucket_bytes,
-            commit_timeout_s=c.drain_timeout_s,
-            attach_timeout_s=c.group_timeout_s,
             write_timeout_s=c.sync_timeout_s,
+            **timeouts,
         )
         self._checkpoints = Checkpoints()
         self._offload = Offload(self.device)
         self._profiler = _device.Profiler()
         # Ray restarted this actor after a crash (max_restarts): calls queued for the dead process
-        # arrive here, where the group's weights are gone, until the group wires us in again
+        # arrive here, where the group's weights are gone, until the group connects us again
         self._restarted = _device.was_restarted()
 
     def _who(self) -> str:
-        return f"{self.role.value} policy {self.index}"
+        return f"{ROLE_NAMES[self.role]} {self.index}"
 
     # ================================================================== user hooks
     def build_model(self) -> torch.nn.Module:
@@ -137,11 +140,6 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
         return out
 
     # ================================================================== seed lifecycle
-    def _timed(self, name: str, start: float) -> None:
-        entry = self._timings.setdefault(name, [0.0, 0.0])
-        entry[0] += 1
-        entry[1] += time.perf_counter() - start
-
     def init_eval(self, eval_config: Any = None, env_meta: Any = None) -> None:
         self.set_role(PolicyRole.EVAL)
         self.eval_config, self.env_meta = eval_config, env_meta
@@ -162,18 +160,7 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
         self.init_train(train_config if train_config is not None else self.train_config, env_meta)
 
     def print_timing_summary(self, reset: bool = False) -> dict[str, dict[str, float]]:
-        summary = {
-            name: {"count": c, "total_s": t, "mean_s": t / c if c else 0.0}
-            for name, (c, t) in sorted(self._timings.items())
-        }
-        for name, s in summary.items():
-            print(
-                f"[{self.role.value}{self.index}] {name}: n={int(s['count'])} "
-                f"total={s['total_s']:.4f}s mean={s['mean_s'] * 1e3:.3f}ms"
-            )
-        if reset:
-            self._timings.clear()
-        return summary
+        return self._timings.summary(f"{self.role.value}{self.index}", reset)
 
     def set_role(self, role: PolicyRole | str, index: int | None = None) -> None:
         """Become a trainer or a rollout worker (role conversion); weights are kept."""
@@ -197,8 +184,8 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
     def _refuse_if_restarted(self) -> None:
         if self._restarted and self.role == PolicyRole.EVAL:
             raise WorkerDiedError(
-                f"eval policy {self.index} was restarted after a crash and holds its initial weights "
-                "until its group wires it in again (init_weight_buffer); retry on another worker",
+                f"rollout worker {self.index} was restarted after a crash and holds its initial weights "
+                "until its group connects it again (init_weight_buffer); retry on another worker",
                 "eval",
                 self.index,
             )
@@ -223,7 +210,7 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
             with self._serving(), torch.no_grad():
                 return self.rollout_step(env_ret)
         finally:
-            self._timed("rollout", start)
+            self._timings.add("rollout", start)
 
     def _rollout_many(self, env_rets: Sequence[Any]) -> Any:
         """Several requests in one call (one Ray task, one return object per request)."""
@@ -232,7 +219,7 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
             with self._serving(), torch.no_grad():
                 out = self.rollout_many_step(list(env_rets))
         finally:
-            self._timed("rollout_many", start)
+            self._timings.add("rollout_many", start)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _postprocess(self, *args: Any) -> Any:
@@ -240,7 +227,7 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
         try:
             return self.postprocess_step(*args)
         finally:
-            self._timed("postprocess", start)
+            self._timings.add("postprocess", start)
 
     def get_num_requests(self) -> int:
         return self._num_requests
@@ -260,7 +247,7 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
         try:
             return self.train_step(batch, *args[1:], **kwargs)
         finally:
-            self._timed("train", start)
+            self._timings.add("train", start)
 
     # ================================================================== weights: inspection
     def get_param_fingerprint(self) -> dict[str, float]:
@@ -356,8 +343,8 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
     def recv_broadcast(self, group_id: str, src_rank: int, version: int, timeout_s: float) -> int:
         """Receive `version` from world rank `src_rank` in group `group_id`, then stage it."""
         endpoint = self._receiving()
-        wire = self._comm.receiver(group_id, endpoint.layout, src_rank)
-        return int(endpoint.receive(wire, version, Deadline(timeout_s)))
+        receiver = self._comm.receiver(group_id, endpoint.layout, src_rank)
+        return int(endpoint.receive(receiver, version, Deadline(timeout_s)))
 
     def recv_weights_ipc(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> int:
         """Colocated seed path: load a state dict that came through the object store."""

@@ -1,4 +1,4 @@
-"""A worker's communication groups: its world, the groups the group plan gives it, and their wires.
+"""A worker's communication groups: its world, the groups its group plans, and broadcasts over them.
 
 Two kinds of group. World groups (`create_groups(registered=True)`): every rank of the world
 creates every group in one order, as torch.distributed groups (weightsync's bounded
@@ -6,7 +6,7 @@ creates every group in one order, as torch.distributed groups (weightsync's boun
 them (weightsync `MemberGroup`), which still works after another rank died. Every setup step
 has a deadline and a rank that does not show up is named (`CommGroupError`).
 
-The broadcast wires over these groups (weightsync `BroadcastSender` / `BroadcastReceiver`) are
+The broadcast ends over these groups (weightsync `BroadcastSender` / `BroadcastReceiver`) are
 kept per group and layout, and dropped with the groups.
 """
 
@@ -74,7 +74,7 @@ def _wait(work: Any, timeout_s: float, what: str) -> None:
 
 
 class WorkerComm:
-    """The groups one worker belongs to, by id and by mode, and the wires built on them."""
+    """The groups one worker belongs to, by id and by mode, and the broadcast ends built on them."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -86,7 +86,7 @@ class WorkerComm:
         self._ranks: dict[str, tuple[int, ...]] = {}
         self._by_mode: dict[str, str] = {}  # mode -> group id
         self._registered: set[str] = set()  # groups torch.distributed knows (made by every rank)
-        self._wires: dict[tuple[str, str, int], BroadcastSender | BroadcastReceiver] = {}
+        self._broadcasts: dict[tuple[str, str, int], BroadcastSender | BroadcastReceiver] = {}
         self._collective_store: Any = None
 
     # -- the world ----------------------------------------------------------------------
@@ -120,7 +120,7 @@ class WorkerComm:
         self._ranks.clear()
         self._by_mode.clear()
         self._registered.clear()
-        self._wires.clear()
+        self._broadcasts.clear()
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # best effort
                 dist.destroy_process_group()
@@ -225,7 +225,7 @@ class WorkerComm:
         self._collective_store = store  # kept open while the group lives (rank 0 hosts it)
         return group.process_group
 
-    # -- wires --------------------------------------------------------------------------
+    # -- broadcasts-----------------------------------------------------------------------
     def _src_in(self, group_id: str, world_rank: int) -> int:
         """How weightsync names a rank in `group_id`: its world rank in a world group, its member
         rank in a member group."""
@@ -234,24 +234,24 @@ class WorkerComm:
     def sender(self, group_id: str, layout: Layout) -> BroadcastSender:
         """This rank's broadcast sender in `group_id` for `layout` (built once)."""
         key = (group_id, layout.digest, self.rank)
-        wire = self._wires.get(key)
-        if not isinstance(wire, BroadcastSender):
+        end = self._broadcasts.get(key)
+        if not isinstance(end, BroadcastSender):
             group = self.group(group_id)
-            wire = self._wires[key] = BroadcastSender(layout, group, self._src_in(group_id, self.rank))
-        return wire
+            end = self._broadcasts[key] = BroadcastSender(layout, group, self._src_in(group_id, self.rank))
+        return end
 
     def receiver(self, group_id: str, layout: Layout, src_rank: int) -> BroadcastReceiver:
         """A broadcast receiver from world rank `src_rank` in `group_id` for `layout` (built once)."""
         key = (group_id, layout.digest, src_rank)
-        wire = self._wires.get(key)
-        if not isinstance(wire, BroadcastReceiver):
+        end = self._broadcasts.get(key)
+        if not isinstance(end, BroadcastReceiver):
             group = self.group(group_id)
-            wire = self._wires[key] = BroadcastReceiver(layout, group, self._src_in(group_id, src_rank))
-        return wire
+            end = self._broadcasts[key] = BroadcastReceiver(layout, group, self._src_in(group_id, src_rank))
+        return end
 
-    def forget_wires(self) -> None:
-        """Drop the wires (a changed model needs new ones); the groups stay."""
-        self._wires.clear()
+    def forget_broadcasts(self) -> None:
+        """Drop the broadcast ends (a changed model needs new ones); the groups stay."""
+        self._broadcasts.clear()
 
 
 class CommGroupCalls:
@@ -331,9 +331,9 @@ class CommGroupCalls:
         rank: int | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        """NeMo RL: join the trainers + inference model-update group at ip:port (gloo on CPU).
+        """NeMo RL: join the model-update group of trainers and rollout workers at ip:port (gloo on CPU).
 
-        Train workers take ranks [0, train_world_size); inference workers follow them.
+        Trainers take ranks [0, train_world_size); rollout workers follow them.
         """
         if rank is None:
             rank = self.index if self.role == "train" else train_world_size + self.index

@@ -28,8 +28,8 @@ from rlfleet.weightsync._endpoints import (
     DoubleEndpoint,
     ShardedEndpoint,
     SharedEndpoint,
+    TransportReceiver,
     WeightEndpoint,
-    WireReceiver,
     commit_consumer,
     create_endpoint,
 )
@@ -211,7 +211,7 @@ __all__ = [
     "SharedEndpoint",
     "WeightBufferStrategy",
     "WeightEndpoint",
-    "WireReceiver",
+    "TransportReceiver",
     "WorkerWeights",
     "check_strategy",
     "commit_consumer",

@@ -20,6 +20,7 @@ from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._endpoints import DEFAULT_TIMEOUT_S, WeightEndpoint, create_endpoint
 from rlfleet.weightsync._errors import LayoutMismatchError, WeightSyncError
 from rlfleet.weightsync._layout import DEFAULT_BUCKET_BYTES, Layout
+from rlfleet.weightsync._protocol import BucketConsumer
 from rlfleet.weightsync._shared_buffer import SharedBuffer
 from rlfleet.weightsync._shm import cleanup_stale_segments
 from rlfleet.weightsync._strategy import check_strategy
@@ -112,6 +113,11 @@ class WorkerWeights:
             attach_timeout_s=self.attach_timeout_s,
         )
         return self.endpoint
+
+    def consumers(self) -> list[BucketConsumer]:
+        """Every buffer received bytes land in here (the endpoint's, the node buffer written)."""
+        found = [None if self.endpoint is None else self.endpoint.consumer, self.node_writer]
+        return [c for c in found if c is not None]
 
     def release_endpoint(self) -> None:
         """Give the module private, writable storage again (role change, buffer rebuild)."""

@@ -43,7 +43,7 @@ __all__ = [
     "ShardedEndpoint",
     "SharedEndpoint",
     "WeightEndpoint",
-    "WireReceiver",
+    "TransportReceiver",
     "commit_consumer",
     "create_endpoint",
 ]
@@ -51,7 +51,7 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class WireReceiver(Protocol):
+class TransportReceiver(Protocol):
     """The receiving end of a transport: one version into `consumer` per call."""
 
     def receive(self, consumer: BucketConsumer, deadline: Deadline | float | None = None) -> Any: ...
@@ -70,9 +70,13 @@ class WeightEndpoint(Protocol):
     def version(self, value: int) -> None: ...
     @property
     def staged_version(self) -> int | None: ...
+    @property
+    def consumer(self) -> BucketConsumer | None: ...
     def has(self, version: int) -> bool: ...
     def stage_from_node(self, name: str, version: int, deadline: Deadline | float | None = None) -> int: ...
-    def receive(self, wire: WireReceiver, version: int, deadline: Deadline | float | None = None) -> int: ...
+    def receive(
+        self, transport: TransportReceiver, version: int, deadline: Deadline | float | None = None
+    ) -> int: ...
     def apply(
         self, version: int | None = None, deadline: Deadline | float | None = None, group: Any = None
     ) -> int: ...
@@ -146,6 +150,11 @@ class _Endpoint:
         """The version received and waiting for `apply`, if any."""
         return self._staged
 
+    @property
+    def consumer(self) -> BucketConsumer | None:
+        """The buffer a transport lands this endpoint's versions in (None: it receives none)."""
+        return None
+
     def has(self, version: int) -> bool:
         """True when `version` needs nothing more here (a retried sync resends it)."""
         return version <= self._version
@@ -170,17 +179,19 @@ class _Endpoint:
         self._stage_from(reader, version, Deadline.coerce(deadline))
         return version
 
-    def receive(self, wire: WireReceiver, version: int, deadline: Deadline | float | None = None) -> int:
+    def receive(
+        self, transport: TransportReceiver, version: int, deadline: Deadline | float | None = None
+    ) -> int:
         """Take `version` from a transport; a version already held is received and dropped (the
         collective needs every member), anything else is staged (or, "None", applied)."""
         self._applied.clear()
         deadline = Deadline.coerce(deadline)
         if self.has(version):
-            wire.receive(DiscardingConsumer(self.layout, version), deadline)
+            transport.receive(DiscardingConsumer(self.layout, version), deadline)
             self._held(version)
             self._applied.set()
             return version
-        got = _version_of(self._receive(wire, deadline))
+        got = _version_of(self._receive(transport, deadline))
         if got != version:
             raise VersionError(f"{self!r}: expected v{version}, got v{got}")
         return got
@@ -218,7 +229,7 @@ class _Endpoint:
     def _stage_from(self, reader: SharedBufferReader, version: int, deadline: Deadline) -> None:
         raise NotImplementedError
 
-    def _receive(self, wire: WireReceiver, deadline: Deadline) -> Any:
+    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
         raise NotImplementedError
 
     def _make_live(self, version: int, deadline: Deadline, group: Any) -> None:
@@ -232,6 +243,10 @@ class _BufferedEndpoint(_Endpoint):
     """An endpoint over a private weightsync buffer (`DirectBuffer` / `DoubleBuffer`)."""
 
     _buffer: DirectBuffer | DoubleBuffer
+
+    @property
+    def consumer(self) -> BucketConsumer | None:
+        return self._buffer
 
     def _stage_from(self, reader: SharedBufferReader, version: int, deadline: Deadline) -> None:
         reader.copy_version(version, DeferredCommit(self._buffer), deadline)
@@ -257,9 +272,9 @@ class DirectEndpoint(_BufferedEndpoint):
         super()._stage_from(reader, version, deadline)
         self.apply(version)
 
-    def _receive(self, wire: WireReceiver, deadline: Deadline) -> Any:
+    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
         with self.serving_lock.exclusive(deadline):  # in place: the worker was drained first
-            result = wire.receive(self._buffer, deadline)
+            result = transport.receive(self._buffer, deadline)
             self._version, self._staged = _version_of(result), None
             self._applied.set()
         return result
@@ -275,8 +290,8 @@ class DoubleEndpoint(_BufferedEndpoint):
         live = live_tensors(module)
         self._buffer = DoubleBuffer(live, layout, mode="swap", commit_timeout_s=self.commit_timeout_s)
 
-    def _receive(self, wire: WireReceiver, deadline: Deadline) -> Any:
-        result = wire.receive(DeferredCommit(self._buffer), deadline)
+    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
+        result = transport.receive(DeferredCommit(self._buffer), deadline)
         self._staged = _version_of(result)
         return result
 
@@ -310,6 +325,10 @@ class SharedEndpoint(_Endpoint):
             raise WeightSyncError(f"{self!r} was released")
         return self._node.data_range()
 
+    @property
+    def consumer(self) -> BucketConsumer | None:
+        return self._writer
+
     def has(self, version: int) -> bool:
         writer = self._writer
         return super().has(version) or (writer is not None and writer.version >= version)
@@ -325,10 +344,10 @@ class SharedEndpoint(_Endpoint):
         if version > self._version:  # in the node buffer already, not yet bound here
             self._staged = version
 
-    def _receive(self, wire: WireReceiver, deadline: Deadline) -> Any:
+    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
         if self._writer is None:
             raise WeightSyncError(f"{self!r} does not write its node's buffer: it reads it (stage_from_node)")
-        result = wire.receive(self._writer, deadline)
+        result = transport.receive(self._writer, deadline)
         self._staged = _version_of(result)
         return result
 
@@ -355,13 +374,17 @@ class ShardedEndpoint(_Endpoint):
         self._shares = ShardedBuffer(layout, int(rank), int(world_size))
         self._gathered: torch.Tensor | None = None  # the block the module computes with
 
+    @property
+    def consumer(self) -> BucketConsumer | None:
+        return self._shares
+
     def _stage_from(self, reader: SharedBufferReader, version: int, deadline: Deadline) -> None:
         if self._shares.version < version:  # committed at once: the module still serves its copy
             reader.copy_version(version, self._shares, deadline)
         self._staged = version
 
-    def _receive(self, wire: WireReceiver, deadline: Deadline) -> Any:
-        result = wire.receive(self._shares, deadline)  # keeps only this member's buckets
+    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
+        result = transport.receive(self._shares, deadline)  # keeps only this member's buckets
         self._staged = _version_of(result)
         return result
 
