@@ -22,31 +22,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _start(nodes: int) -> Any:
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "resources": {"node0": 100}},
+    )
+    try:
+        for i in range(1, nodes):
+            cluster.add_node(num_cpus=1, resources={f"node{i}": 100})
+        cluster.wait_for_nodes()
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
 @contextlib.contextmanager
 def ray_cluster(nodes: int = 3) -> Iterator[Any]:
     """`nodes` raylets on this machine (node i carries the resource "node{i}": 100), joined by
-    this process; shut down and forgotten afterwards. A raylet that misses Ray's registration
-    window on a loaded machine gets the whole cluster started once more."""
+    this process; shut down and forgotten afterwards."""
     import ray
-    from ray.cluster_utils import Cluster
 
     with contextlib.suppress(FileNotFoundError):
         os.remove(CURRENT_CLUSTER)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    for attempt in (1, 2):
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 1, "include_dashboard": False, "resources": {"node0": 100}},
-        )
-        try:
-            for i in range(1, nodes):
-                cluster.add_node(num_cpus=1, resources={f"node{i}": 100})
-            cluster.wait_for_nodes()
-            break
-        except Exception:
-            cluster.shutdown()
-            if attempt == 2:
-                raise
+    try:
+        cluster = _start(nodes)
+    except Exception:  # a raylet missed Ray's 30 s registration window on a loaded machine
+        cluster = _start(nodes)
     try:
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         yield cluster
