@@ -1,29 +1,12 @@
 """NeMo RL's ``nccl_reshard`` worker calls, as a mixin for `BasePolicy` (gloo on CPU, NCCL on GPU).
 
-Training and generation shard the model differently; instead of broadcasting the whole model
-to every generation rank, each generation rank receives exactly its own shard, point to point,
+Trainers and rollout workers shard the model differently; instead of broadcasting the whole
+model to every rollout (generation) rank, each receives exactly its own shard, point to point,
 from data-parallel replicas striped across the training ranks. The plan is
 ``rlfleet.placement.plan_reshard``; the transfer is rlfleet.weightsync's `ReshardSender` /
-`ReshardReceiver` (versioned, atomic, deadline-bounded). This module only connects them to a
-worker, with the seed's names and arguments:
-
-- ``init_nccl_reshard_comm_group(pp_ips, pp_ports, pp_size, my_pp_stage, sub_world_size,
-  my_rank_in_group)``: one group per training pipeline stage, rendezvous at
-  ``pp_ips[s]:pp_ports[s]``; its ranks are the stage's training ranks (ascending, group rank 0
-  hosts the store) followed by every generation rank. A training worker joins its own stage's
-  group; a generation worker joins every stage's group (with the same ``my_rank_in_group``:
-  ``stage size + generation rank``; ``my_pp_stage`` is ignored for it).
-- ``prepare_nccl_reshard_refit_info(train_parallelism, gen_parallelism, train_world_size,
-  gen_world_size)``: plans (every worker computes the same plan from the same parameter specs)
-  and returns a JSON-safe summary.
-- ``nccl_reshard_refit(kv_scales=None, refit_timeout_s=None)``: one version; training workers
-  send ``version = their version + 1`` (or ``version=``), generation workers stage it, commit it
-  under the worker's serving lock on every generation rank or on none, and apply ``kv_scales``.
-
-Hooks a policy overrides: `reshard_param_specs` (the model's full, unsharded parameters and how
-training shards them; the default treats the local model as unsharded, stage "first"),
-`reshard_gen_param_specs` (generation side, when it renames or fuses differently),
-`reshard_rank` (this worker's rank on its side; default ``index``) and `reshard_state_dict`.
+`ReshardReceiver` (versioned, atomic, deadline-bounded). This module connects them to a worker
+with the seed's names and arguments (one group per training pipeline stage). Hooks a policy
+overrides: `reshard_param_specs`, `reshard_gen_param_specs`, `reshard_rank`, `reshard_state_dict`.
 """
 
 from __future__ import annotations

@@ -125,18 +125,10 @@ class WeightSync:
                 for i, p in enumerate(entry["eval_policies"]):
                     specs[roster.wid(p)].update(rank=i, world_size=len(entry["eval_policies"]))
         self._prepared = self._signature()
+        init = [(p, specs[roster.wid(p)] or None) for p in roster.eval_list]
         ends = [
-            (
-                p,
-                calls.invoke(
-                    p,
-                    "init_weight_buffer",
-                    specs[roster.wid(p)] or None,
-                    strategy=strategy,
-                    layout=self._layout,
-                ),
-            )
-            for p in roster.eval_list
+            (p, calls.invoke(p, "init_weight_buffer", spec, strategy=strategy, layout=self._layout))
+            for p, spec in init
         ]
         for (p, _), (_, err) in zip(
             ends, calls.gather(ends, self.config.rpc_timeout_s, "init_weight_buffer"), strict=True

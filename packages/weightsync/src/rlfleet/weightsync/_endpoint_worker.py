@@ -47,12 +47,9 @@ class WorkerWeights:
         attach_timeout_s: float = DEFAULT_TIMEOUT_S,
         write_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.serving_lock = serving_lock
-        self.who = who
-        self.bucket_bytes = bucket_bytes
-        self.commit_timeout_s = commit_timeout_s
-        self.attach_timeout_s = attach_timeout_s
+        self.serving_lock, self.who, self.bucket_bytes = serving_lock, who, bucket_bytes
         self.write_timeout_s = write_timeout_s
+        self._timeouts = {"commit_timeout_s": commit_timeout_s, "attach_timeout_s": attach_timeout_s}
         self.endpoint: WeightEndpoint | None = None
         self.node_writer: SharedBuffer | None = None
         self.sender_layout: Layout | None = None
@@ -109,8 +106,7 @@ class WorkerWeights:
             shard=shard,
             version=self._version,
             serving_lock=self.serving_lock,
-            commit_timeout_s=self.commit_timeout_s,
-            attach_timeout_s=self.attach_timeout_s,
+            **self._timeouts,
         )
         return self.endpoint
 
