@@ -2,9 +2,10 @@
 
 A facade over small components: `_calls` (the roster, bounded calls, failure classification),
 `_rollout` (routing and dispatch), `_sync_plan` / `_sync` (where workers run, the steps of a
-sync, wiring and running them) and `_roles` (role changes). Placement and transfer plans come
-from rlfleet.placement, routing decisions from rlfleet.routing, moving bytes from
-rlfleet.weightsync; this module holds the lock that orders membership, plans and versions.
+sync, preparing and running them) and `_membership` (role changes, dropping dead workers).
+Placement and transfer plans come from rlfleet.placement, routing decisions from
+rlfleet.routing, moving bytes from rlfleet.weightsync; this module holds the lock that orders
+membership, plans and versions.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import ray
 
 from rlfleet.placement import Placement
 from rlfleet.policygroup._batched import BatchedData
-from rlfleet.policygroup._calls import Calls, Policy, Roster, finished, is_dead
+from rlfleet.policygroup._calls import Calls, Policy, Roster, finished
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
-from rlfleet.policygroup._errors import TrainWorkerDiedError
-from rlfleet.policygroup._roles import RoleChanges
+from rlfleet.policygroup._membership import Membership
 from rlfleet.policygroup._rollout import Rollouts
 from rlfleet.policygroup._submitter import TaskSubmitter, is_remote
 from rlfleet.policygroup._sync import SyncOutcome, WeightSync
@@ -84,8 +84,8 @@ class PolicyGroup:
             PolicyRole.TRAIN: self._train_task_submitter,
             PolicyRole.EVAL: self._eval_task_submitter,
         }
-        self._roles = RoleChanges(
-            self._calls, self._rollouts, submitters, self._processes.node_of, self._rebuild
+        self._members = Membership(
+            self._calls, self._rollouts, self._sync, submitters, self._lock, self._rebuild
         )
         self._owned_actors = list(owned_actors)
         self._placement_groups = list(placement_groups)
@@ -181,7 +181,7 @@ class PolicyGroup:
 
         Returns BatchedData(ids, responses): ObjectRefs for actors, values for local policies.
         """
-        self._purge_dead()
+        self._members.purge_dead()
         return self._rollouts.rollout_batch(batched_env_ret)
 
     def postprocess(
@@ -311,20 +311,20 @@ class PolicyGroup:
     # ================================================================== membership and faults
     def push(self, policy_worker: Policy, role: PolicyRole) -> None:
         """Add a worker to a role (call the init_* steps again to connect it)."""
-        self._roles.push(policy_worker, role)
+        self._members.push(policy_worker, role)
 
     def pop(self, role: PolicyRole) -> Policy:
-        return self._roles.pop(role)
+        return self._members.pop(role)
 
     def convert_train_to_eval(self, num: int) -> None:
         """Turn the last `num` trainers into rollout workers (at least one trainer stays)."""
         with self._lock:
-            self._roles.train_to_eval(num)
+            self._members.train_to_eval(num)
 
     def convert_eval_to_train(self, num: int) -> None:
         """Turn the last `num` rollout workers into trainers (at least one rollout worker stays)."""
         with self._lock:
-            self._roles.eval_to_train(num)
+            self._members.eval_to_train(num)
 
     def _rebuild(self) -> None:
         """After a role change: placement, buffers, groups rebuilt, then weights made consistent."""
@@ -336,46 +336,13 @@ class PolicyGroup:
 
     def check_liveness(self, timeout: float = 10.0) -> list[str]:
         """Ping every worker; drop dead rollout workers (returned by name); a dead trainer raises."""
-        everyone = self.train_list + self.eval_list
-        calls = [(p, self._calls.invoke(p, "is_alive")) for p in everyone]
-        dropped = []
-        for (p, _), (_, err) in zip(calls, self._calls.gather(calls, timeout, "is_alive"), strict=True):
-            if is_dead(err):
-                if self._roster.is_trainer(p):
-                    raise TrainWorkerDiedError(f"{self._roster.name(p)} died: {err}")
-                dropped.append(self._roster.name(p))
-                self._drop_eval(p, str(err))
-        return dropped
+        return self._members.check_liveness(timeout)
 
-    def _refresh_members(self) -> list[str]:
-        """Drop rollout workers a task found dead, then any other dead one (Ray actors only)."""
-        self._purge_dead()
-        return self.check_liveness() if any(is_remote(p) for p in self.eval_list) else []
-
-    def _purge_dead(self) -> None:
-        if not self._rollouts.dead:
-            return
-        with self._lock:
-            for p in list(self.eval_list):
-                if self._roster.wid(p) in self._rollouts.dead:
-                    self._drop_eval(p, "its task failed with an actor error")
-            self._rollouts.dead.clear()
+    def _refresh_members(self) -> list[str]:  # the sync's view of membership changes
+        return self._members.refresh()
 
     def _drop_eval(self, policy: Policy, why: str) -> None:
-        """Take a rollout worker out of the roster, routing, placement and the sync's steps."""
-        with self._lock:
-            logger.warning("[PolicyGroup] dropping %s: %s", self._roster.name(policy), why)
-            self.policy_list[PolicyRole.EVAL] = [p for p in self.eval_list if p is not policy]
-            self._rollouts.remove(policy)
-            self._eval_task_submitter.forget(policy)
-            self._processes.drop(policy)
-            for entry in self.shared_weight_buffer_map.values():
-                entry["eval_policies"] = [p for p in entry["eval_policies"] if p is not policy]
-            if self.placement_info:
-                strategy = self.config.weight_buffer.buffer_strategy
-                self._processes.plan_transfers(strategy)
-                self._sync.plan()
-                self._sync.dirty = strategy in ("Shared", "Sharded")
+        self._members.drop(policy, why)
 
     # ================================================================== shutdown
     def shutdown(self) -> None:

@@ -1,37 +1,46 @@
-"""Role changes: workers join or leave a role, and trainers and rollout workers trade places.
+"""Membership: workers join or leave a role, trainers and rollout workers trade places, and a
+dead rollout worker is dropped.
 
 A converted worker keeps its weights; a rollout worker that becomes a trainer first takes the
 training state (model and optimizer) of trainer 0, so data-parallel training stays in step.
 Afterwards the group is rebuilt (placement, buffers, groups) and synced once, so every rollout
-worker serves the trainers' weights again.
+worker serves the trainers' weights again. A dead rollout worker leaves the roster, routing,
+placement and the sync's steps; a dead trainer is an error (its training state is lost).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+import logging
+import threading
+from collections.abc import Callable, Mapping
 
-from rlfleet.policygroup._calls import Calls, Policy
-from rlfleet.policygroup._errors import PolicyGroupError
+from rlfleet.policygroup._calls import Calls, Policy, is_dead
+from rlfleet.policygroup._errors import PolicyGroupError, TrainWorkerDiedError
 from rlfleet.policygroup._rollout import Rollouts
-from rlfleet.policygroup._submitter import TaskSubmitter
+from rlfleet.policygroup._submitter import TaskSubmitter, is_remote
+from rlfleet.policygroup._sync import WeightSync
 from rlfleet.policygroup._worker import ROLE_NAMES, PolicyRole
 
+logger = logging.getLogger(__name__)
 
-class RoleChanges:
-    """push / pop / convert for a group; `rebuild` rebuilds and syncs it afterwards."""
+
+class Membership:
+    """push / pop / convert / drop for a group; `rebuild` rebuilds and syncs it after a conversion."""
 
     def __init__(
         self,
         calls: Calls,
         rollouts: Rollouts,
+        sync: WeightSync,
         submitters: Mapping[PolicyRole, TaskSubmitter],
-        node_of: Mapping[Hashable, Any],
+        lock: threading.RLock,
         rebuild: Callable[[], None],
     ) -> None:
-        self.calls, self.roster, self.rollouts = calls, calls.roster, rollouts
+        self.calls, self.roster, self.rollouts, self.sync = calls, calls.roster, rollouts, sync
+        self.processes = sync.processes
+        self.node_of = sync.processes.node_of
         self.submitters = submitters
-        self.node_of = node_of
+        self.lock = lock
         self.rebuild = rebuild
 
     def push(self, policy: Policy, role: PolicyRole) -> None:
@@ -93,3 +102,47 @@ class RoleChanges:
             self.calls.call_all([p], "load_training_state", state)  # model and optimizer in step
             self.roster.train_list.append(p)
         self.rebuild()
+
+    # -- faults -------------------------------------------------------------------------
+    def check_liveness(self, timeout: float = 10.0) -> list[str]:
+        """Ping every worker; drop dead rollout workers (returned by name); a dead trainer raises."""
+        everyone = self.roster.train_list + self.roster.eval_list
+        calls = [(p, self.calls.invoke(p, "is_alive")) for p in everyone]
+        dropped = []
+        for (p, _), (_, err) in zip(calls, self.calls.gather(calls, timeout, "is_alive"), strict=True):
+            if is_dead(err):
+                if self.roster.is_trainer(p):
+                    raise TrainWorkerDiedError(f"{self.roster.name(p)} died: {err}")
+                dropped.append(self.roster.name(p))
+                self.drop(p, str(err))
+        return dropped
+
+    def refresh(self) -> list[str]:
+        """Drop rollout workers a task found dead, then any other dead one (Ray actors only)."""
+        self.purge_dead()
+        return self.check_liveness() if any(is_remote(p) for p in self.roster.eval_list) else []
+
+    def purge_dead(self) -> None:
+        if not self.rollouts.dead:
+            return
+        with self.lock:
+            for p in list(self.roster.eval_list):
+                if self.roster.wid(p) in self.rollouts.dead:
+                    self.drop(p, "its task failed with an actor error")
+            self.rollouts.dead.clear()
+
+    def drop(self, policy: Policy, why: str) -> None:
+        """Take a rollout worker out of the roster, routing, placement and the sync's steps."""
+        with self.lock:
+            logger.warning("[PolicyGroup] dropping %s: %s", self.roster.name(policy), why)
+            self.roster.policy_list[PolicyRole.EVAL] = [p for p in self.roster.eval_list if p is not policy]
+            self.rollouts.remove(policy)
+            self.submitters[PolicyRole.EVAL].forget(policy)
+            self.processes.drop(policy)
+            for entry in self.sync.node_buffers.values():
+                entry["eval_policies"] = [p for p in entry["eval_policies"] if p is not policy]
+            if self.processes.placement_info:
+                strategy = self.sync.config.weight_buffer.buffer_strategy
+                self.processes.plan_transfers(strategy)
+                self.sync.plan()
+                self.sync.dirty = strategy in ("Shared", "Sharded")
