@@ -3,6 +3,7 @@
 from rlfleet.weightsync.__about__ import __version__
 from rlfleet.weightsync._block import adopt, flat_block
 from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, ServingLock, live_tensors
+from rlfleet.weightsync._consumers import DeferredCommit, DiscardingConsumer, module_part_buffer
 from rlfleet.weightsync._copy import copy_tensors, default_copy_threads
 from rlfleet.weightsync._cuda_ipc import ControlBlock, CudaIpcReceiver, CudaIpcSender
 from rlfleet.weightsync._deadline import (
@@ -23,6 +24,17 @@ from rlfleet.weightsync._dist import (
     map_dist_error,
 )
 from rlfleet.weightsync._dtypes import DTYPES, dtype_from_name, dtype_name
+from rlfleet.weightsync._endpoint_worker import WorkerWeights
+from rlfleet.weightsync._endpoints import (
+    DirectEndpoint,
+    DoubleEndpoint,
+    ShardedEndpoint,
+    SharedEndpoint,
+    TransportReceiver,
+    WeightEndpoint,
+    commit_consumer,
+    create_endpoint,
+)
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
     IncompleteSyncError,
@@ -95,6 +107,7 @@ from rlfleet.weightsync._shm import (
     process_alive,
 )
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
+from rlfleet.weightsync._strategy import WEIGHT_BUFFER_STRATEGIES, WeightBufferStrategy, check_strategy
 from rlfleet.weightsync._transforms import (
     LLAMA_STACKED_PARAMS,
     Cast,
@@ -236,4 +249,20 @@ __all__ = [
     "caller_deadline",
     "current_deadline",
     "install_termination_cleanup",
+    # receive strategies (endpoints) and their consumers
+    "WEIGHT_BUFFER_STRATEGIES",
+    "DeferredCommit",
+    "DirectEndpoint",
+    "DiscardingConsumer",
+    "DoubleEndpoint",
+    "ShardedEndpoint",
+    "SharedEndpoint",
+    "WeightBufferStrategy",
+    "WeightEndpoint",
+    "TransportReceiver",
+    "WorkerWeights",
+    "check_strategy",
+    "commit_consumer",
+    "create_endpoint",
+    "module_part_buffer",
 ]
