@@ -86,7 +86,7 @@ def test_built_disaggregated_group_places_syncs_and_routes(cluster: Any, tmp_pat
             assert group.node_of(p) == planned[f"eval-{i}"]
         assert len(set(planned.values())) == 3
         # eval nodes hold no trainer: weights cross nodes by broadcast
-        assert any(s.transport == "broadcast" for s in group._sync.steps)
+        assert any(s.transport == "broadcast" for s in group.sync_plan.steps)
         for seed in (1, 2, 3):
             step_and_check(group, seed)
         path = str(tmp_path / "ckpt.pt")

@@ -19,6 +19,8 @@ import pg_policies  # noqa: E402
 from pg_policies import OBS_DIM, MLPPolicy, make_model  # noqa: E402
 from testkit import node_ids  # noqa: E402
 
+from rlfleet.placement import build_transfer_info_for_disaggregated  # noqa: E402
+
 from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
     CommGroupError,
@@ -48,9 +50,13 @@ PLACES = {
 }
 
 
-def config(strategy: str = "Double", kind: str = "WeightBuffer", **kw: Any) -> PolicyConfig:
+def config(
+    strategy: str = "Double", kind: str = "WeightBuffer", planner: str = "rlfleet", **kw: Any
+) -> PolicyConfig:
     return PolicyConfig(
-        weight_buffer=WeightBufferConfig(type=kind, buffer_strategy=strategy, bucket_bytes=4096),
+        weight_buffer=WeightBufferConfig(
+            type=kind, buffer_strategy=strategy, bucket_bytes=4096, planner=planner
+        ),
         group_timeout_s=20.0,
         sync_timeout_s=60.0,
         rpc_timeout_s=60.0,
@@ -140,7 +146,7 @@ def test_sync_disaggregated_every_strategy(actors: dict[str, Any], strategy: str
     try:
         nodes = {group.node_of(p) for p in group.eval_list}
         assert len(nodes) == 3
-        assert any(s.transport == "broadcast" for s in group._sync.steps), (
+        assert any(s.transport == "broadcast" for s in group.sync_plan.steps), (
             "node2 has no trainer: weights cross nodes"
         )
         for step in (1, 2):
@@ -153,9 +159,32 @@ def test_sync_disaggregated_every_strategy(actors: dict[str, Any], strategy: str
 def test_sync_colocated_every_strategy(actors: dict[str, Any], strategy: str, kind: str) -> None:
     group = make_group(actors, config(strategy, kind), colocated=True, evals=("eval0", "eval1"))
     try:
-        assert set(group.transfer_info) == {"all"}
-        assert all(s.transport == "node_buffer" for s in group._sync.steps)  # each pair shares a node
+        assert all(s.transport == "node_buffer" for s in group.sync_plan.steps)  # each pair shares a node
         train_sync_and_check(group, 3)
+    finally:
+        group.shutdown()
+
+
+def test_seed_plan_runs_as_planned(actors: dict[str, Any]) -> None:
+    """The seed's plans run too: colocated pairs hand over point to point, disaggregated ones
+    funnel through the seed's round robin; `transfer_info` is the seed's shape of the plan."""
+    cfg = config("Double", planner="seed")
+    group = make_group(actors, cfg, colocated=True, evals=("eval0", "eval1"))
+    try:
+        assert group.sync_plan.name == "seed"
+        assert set(group.transfer_info) == {"all"}
+        assert {s.transport for s in group.sync_plan.steps} == {"p2p"}
+        train_sync_and_check(group, 4)
+    finally:
+        group.shutdown()
+    group = make_group(actors, config("Shared", "CPUWeightBuffer", planner="seed"))
+    try:
+        plan = group.sync_plan
+        assert plan.name == "seed"
+        seed = build_transfer_info_for_disaggregated(group.placement_info, "Shared")
+        assert group.transfer_info == seed  # the view equals the seed planner's output
+        train_sync_and_check(group, 5)
+        assert group.last_sync_report is not None and group.last_sync_report.matches(plan)
     finally:
         group.shutdown()
 

@@ -5,12 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlfleet.placement import CostModel
 from rlfleet.weightsync import WEIGHT_BUFFER_STRATEGIES, check_strategy
 
 ROLLOUT_MODES = ("sync", "async")
 BUFFER_TYPES = ("WeightBuffer", "CPUWeightBuffer", "ShardedWeightBuffer")
 BUFFER_STRATEGIES = WEIGHT_BUFFER_STRATEGIES  # the seed's names, defined once in rlfleet.weightsync
 ROUTER_TYPES = ("simple", "node_affinity", "round_robin", "least_load", "power_of_two", "consistent_hash")
+PLANNERS = ("rlfleet", "seed")
+SENDERS = ("all", "one")
+FANOUTS = ("auto", "node_buffer", "direct")
+
+
+def _choice(value: object, valid: tuple[str, ...], what: str) -> None:
+    if value not in valid:
+        raise ValueError(f"{what} {value!r} is unknown; valid: {', '.join(valid)}")
 
 
 @dataclass
@@ -26,12 +35,22 @@ class WeightBufferConfig:
     in weightsync's transports: it costs one extra read of the model per writer and per eval
     at about 3 GB/s per core (a 256 MiB sync to 4 evals on 2 nodes: 0.17 s without, 0.66 s
     with, on the 2-core dev box).
+
+    How a version travels is rlfleet.placement's `SyncPlan`, executed as it is: ``planner``
+    "rlfleet" (`plan_sync`) or "seed" (`seed_sync_plan`, the seed's round-robin plan);
+    ``senders`` "all" (data-parallel trainers each send a disjoint share of the buckets) or
+    "one" (the first trainer sends everything); ``fanout`` on a node without a trainer:
+    "node_buffer" (one rollout worker receives and fills the node buffer the others read),
+    "direct" (every rollout worker receives), "auto" (node_buffer for "Shared", else direct).
     """
 
     type: str = "WeightBuffer"
     buffer_strategy: str = "Double"
     bucket_bytes: int = 64 * 1024 * 1024
     checksums: bool = False
+    planner: str = "rlfleet"
+    senders: str = "one"  # TODO(after wt-wscore merge): "all"
+    fanout: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -57,6 +76,20 @@ class WeightBufferConfig:
             raise ValueError(f"weight_buffer.checksums must be a bool, got {self.checksums!r}")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 512:
             raise ValueError(f"weight_buffer.bucket_bytes must be an int >= 512, got {self.bucket_bytes!r}")
+        _choice(self.planner, PLANNERS, "weight_buffer.planner")
+        _choice(self.senders, SENDERS, "weight_buffer.senders")
+        _choice(self.fanout, FANOUTS, "weight_buffer.fanout")
+        shared = self.buffer_strategy == "Shared"
+        if self.fanout == ("direct" if shared else "node_buffer"):
+            raise ValueError(
+                f"weight_buffer.fanout {self.fanout!r} does not run with buffer_strategy "
+                f"{self.buffer_strategy!r}: "
+                + (
+                    "every rollout worker of a node binds the node's one buffer, so one of them receives for it"
+                    if shared
+                    else "a rollout worker that relays copies has no node buffer to fill; use 'direct'"
+                )
+            )
 
 
 @dataclass
@@ -66,7 +99,10 @@ class PolicyConfig:
     ``max_concurrency`` is the eval actors' Ray concurrency (the seed uses 16 in async mode;
     sync mode needs more than 1 too, so that weights stream in while the actor serves).
     Every blocking step is bounded: ``rpc_timeout_s`` for a control call, ``sync_timeout_s``
-    for a whole weight sync, ``group_timeout_s`` for creating a communication group.
+    for a whole weight sync (one deadline every step of it shares), ``group_timeout_s`` for
+    creating a communication group. ``topology``: overrides for `Topology.from_ray_nodes`
+    (NIC and host rates, ...); ``cost_model``: the `CostModel` sync plans are priced with
+    (e.g. from `PolicyGroup.calibrate()`; default: placement's documented defaults).
     """
 
     rollout_mode: str = "sync"
@@ -85,6 +121,8 @@ class PolicyConfig:
     drain_timeout_s: float = 60.0
     backend: str = "gloo"
     component_distribution: dict[Any, Any] | None = None
+    topology: dict[str, Any] | None = None
+    cost_model: CostModel | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.weight_buffer, dict):
@@ -117,6 +155,10 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {self.backend!r} is unknown; valid: gloo, nccl")
+        if self.topology is not None and not isinstance(self.topology, dict):
+            raise ValueError(f"topology must be a dict of Topology.from_ray_nodes overrides, got {self.topology!r}")
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise ValueError(f"cost_model must be a rlfleet.placement CostModel, got {self.cost_model!r}")
 
 
 @dataclass

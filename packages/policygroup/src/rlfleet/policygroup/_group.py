@@ -1,9 +1,9 @@
 """`PolicyGroup`: the seed's public API over local policy objects or Ray actor handles.
 
 A facade over small components: `_calls` (the roster, bounded calls, failure classification),
-`_rollout` (routing and dispatch), `_sync_plan` / `_sync` (where workers run, the steps of a
-sync, preparing and running them) and `_membership` (role changes, dropping dead workers).
-Placement and transfer plans come from rlfleet.placement, routing decisions from
+`_rollout` (routing and dispatch), `_sync_plan` / `_sync` (where workers run, the `SyncPlan`
+placement makes for them, preparing and running it) and `_membership` (role changes, dropping
+dead workers). Placement and sync plans come from rlfleet.placement, routing decisions from
 rlfleet.routing, moving bytes from rlfleet.weightsync; this module holds the lock that orders
 membership, plans and versions.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from rlfleet.placement import Placement
+from rlfleet.placement import CostModel, Placement, SyncPlan, SyncReport
 from rlfleet.policygroup._batched import BatchedData
 from rlfleet.policygroup._calls import Calls, Policy, Roster, finished
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
@@ -114,7 +114,24 @@ class PolicyGroup:
 
     @property
     def transfer_info(self) -> dict[Any, list[dict[str, Any]]]:
-        return self._processes.transfer_info
+        """The seed's shape of the sync plan (a view derived from `sync_plan`)."""
+        plan = self.sync_plan
+        return {} if plan is None else plan.transfer_info(self._processes.by_pid())
+
+    @property
+    def sync_plan(self) -> SyncPlan | None:
+        """The `SyncPlan` the next sync runs (rlfleet.placement's; re-made when the group changes)."""
+        with self._lock:
+            return self._sync.plan if self._sync.plan is not None else self._sync.replan()
+
+    @property
+    def last_sync_report(self) -> SyncReport | None:
+        """What the last sync measured, step by step, next to the plan's prediction."""
+        return self._sync.report
+
+    def process_id(self, policy: Policy) -> str:
+        """The id a worker has in sync plans ("trainer-0", "rollout-3")."""
+        return self._processes.pid(policy)
 
     @property
     def shared_weight_buffer_map(self) -> dict[Any, dict[str, Any]]:
@@ -150,10 +167,14 @@ class PolicyGroup:
         return self._calls.call_all(self.train_list, "init_train", train_config, env_meta)
 
     def init_placement_info(self, is_colocated: bool = False) -> None:
-        """Find each worker's node, plan who sends weights to whom (rlfleet.placement), and the steps."""
+        """Find each worker's node and device, and have rlfleet.placement plan the sync (`sync_plan`)."""
         with self._lock:
-            self._processes.place(is_colocated, self.config.weight_buffer.buffer_strategy)
-            self._sync.plan()
+            self._processes.colocated = is_colocated
+            self._processes.locate(self.train_list + self.eval_list)
+            if self.train_list:
+                size = self.config.weight_buffer.bucket_bytes
+                self._sync.layout = self._calls.call_all(self.train_list[:1], "get_weight_layout", size)[0]
+            self._sync.replan()
             logger.info(
                 "placement_info: %s",
                 {str(k)[:12]: {r: len(v) for r, v in e.items()} for k, e in self.placement_info.items()},
@@ -200,21 +221,34 @@ class PolicyGroup:
         return self._rollouts.wait_idle(timeout)
 
     # ================================================================== weight sync
-    def send_weights(self) -> None:
-        """Move the trainers' weights to every rollout worker as the next version (staged)."""
+    def send_weights(self) -> SyncReport | None:
+        """Move the trainers' weights to every rollout worker as the next version (staged);
+        returns what it measured (None when there is no rollout worker)."""
         with self._lock:
             self._sync.last = self._sync.send(self._sync.version + 1)
+            return self._sync.last.report
 
     def notify_update_weights(self) -> None:
         """Apply the staged version as a rolling update: drain one rollout worker, swap, undrain."""
         with self._lock:
             self._sync.apply()
 
-    def sync_weights(self) -> None:
-        """Send the trainers' weights as the next version and apply it on every rollout worker."""
+    def sync_weights(self) -> SyncReport | None:
+        """Send the trainers' weights as the next version and apply it on every rollout worker;
+        returns the send's `SyncReport` (see `send_weights`)."""
         with self._lock:
-            self.send_weights()
+            report = self.send_weights()
             self.notify_update_weights()
+            return report
+
+    def calibrate(self, syncs: int = 3) -> CostModel:
+        """Measure the cost model's terms on this cluster and fit them to `syncs` real syncs
+        (`PolicyGroup` keeps using its configured model; pass the result as
+        ``PolicyConfig.cost_model`` to price plans with it)."""
+        from rlfleet.policygroup._calibrate import calibrate
+
+        with self._lock:
+            return calibrate(self, syncs)
 
     def wait_for_eval_weight_update(self, timeout: float = 60.0) -> bool:
         """Block (up to `timeout`) until every rollout worker has applied what it received."""
@@ -331,7 +365,7 @@ class PolicyGroup:
         self._calls.call_all(self.train_list + self.eval_list, "release_weight_buffers")
         self.init_placement_info(self._processes.colocated)
         self.init_weight_buffer()
-        self.init_comm_group(self._sync.backend, self._processes.colocated)
+        self.init_comm_group(self._sync.wiring.backend, self._processes.colocated)
         self.sync_weights()
 
     def check_liveness(self, timeout: float = 10.0) -> list[str]:

@@ -46,15 +46,25 @@ class Membership:
     def push(self, policy: Policy, role: PolicyRole) -> None:
         """Add a worker to a role (call the init_* steps again to connect it)."""
         role = PolicyRole(role)
-        self.roster.policy_list[role].append(policy)
-        if role == PolicyRole.EVAL:
-            self.rollouts.add(policy, self.node_of)
+        with self.lock:
+            self.roster.policy_list[role].append(policy)
+            if role == PolicyRole.EVAL:
+                self.rollouts.add(policy, self.node_of)
+            self.sync.plan = None  # re-made (with the newcomer located) when next needed
 
     def pop(self, role: PolicyRole) -> Policy:
+        """Take the role's last worker out of the group, re-planned exactly as after a death; it
+        leaves its node buffers (it keeps its weights and is never written to again)."""
         role = PolicyRole(role)
-        policy = self.roster.policy_list[role].pop()
-        if role == PolicyRole.EVAL:
-            self.rollouts.remove(policy)
+        with self.lock:
+            policy = self.roster.policy_list[role][-1]
+            if role == PolicyRole.EVAL:
+                self.drop(policy, "popped")
+            else:
+                self.roster.policy_list[role].pop()
+                self.submitters[role].forget(policy)
+                self.sync.forget(policy)
+        self.calls.gather([(policy, self.calls.invoke(policy, "release_weight_buffers"))], 30.0, "pop")
         return policy
 
     def _last(self, role: PolicyRole, num: int, what: str) -> list[Policy]:
@@ -132,17 +142,11 @@ class Membership:
             self.rollouts.dead.clear()
 
     def drop(self, policy: Policy, why: str) -> None:
-        """Take a rollout worker out of the roster, routing, placement and the sync's steps."""
+        """Take a rollout worker out of the roster, routing and the sync plan."""
         with self.lock:
-            logger.warning("[PolicyGroup] dropping %s: %s", self.roster.name(policy), why)
+            level = logging.INFO if why == "popped" else logging.WARNING
+            logger.log(level, "[PolicyGroup] dropping %s: %s", self.roster.name(policy), why)
             self.roster.policy_list[PolicyRole.EVAL] = [p for p in self.roster.eval_list if p is not policy]
             self.rollouts.remove(policy)
             self.submitters[PolicyRole.EVAL].forget(policy)
-            self.processes.drop(policy)
-            for entry in self.sync.node_buffers.values():
-                entry["eval_policies"] = [p for p in entry["eval_policies"] if p is not policy]
-            if self.processes.placement_info:
-                strategy = self.sync.config.weight_buffer.buffer_strategy
-                self.processes.plan_transfers(strategy)
-                self.sync.plan()
-                self.sync.dirty = strategy in ("Shared", "Sharded")
+            self.sync.forget(policy)  # re-planned; the next send rebuilds what changed

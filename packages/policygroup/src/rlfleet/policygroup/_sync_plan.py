@@ -1,51 +1,43 @@
-"""Where the group's workers run, and the steps a weight sync takes between them.
+"""The group's workers as rlfleet.placement `SyncProcess`es, and the `SyncPlan` placement makes.
 
-`Processes` finds each worker's node and GPU and keeps the seed's views of them:
-`placement_info` (workers by node) and `transfer_info` (rlfleet.placement's seed planners).
-`plan_steps` turns that into `Step`s, shaped like placement's `SyncStep` so that an executed
-`SyncPlan` can replace this planner: a "node_buffer" step writes a node's shared buffer once
-(a trainer on the node publishes, or the rollout worker that receives for the node lands a
-broadcast in it) and its destinations read it; a "broadcast" step sends every bucket from a
-trainer to rollout workers on another node, in a weight-transfer group of (src, *dst).
+`Processes` finds each worker's node and device (one call per worker, once) and names it with a
+stable id ("trainer-0", "rollout-3": given at first sight, kept while the worker keeps its role,
+so a plan made after a death differs from the previous one only where the group changed).
+`plan_for` asks placement for the plan: `plan_sync` ("rlfleet", several senders by default) or
+`seed_sync_plan` ("seed", the seed's round-robin funnel), priced on the cluster's topology
+(`Topology.from_ray_nodes`, with the configured overrides) and validated. Nothing here plans a
+transfer itself: the plan is executed as it is (`_sync_run`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+import itertools
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from rlfleet.placement import build_transfer_info_for_colocated, build_transfer_info_for_disaggregated
+import ray
+
+from rlfleet.placement import CostModel, SyncPlan, SyncProcess, Topology, plan_sync, seed_sync_plan
 from rlfleet.policygroup._calls import Calls, Policy, Roster
+from rlfleet.policygroup._comm import ray_nodes
+from rlfleet.policygroup._config import PolicyConfig
+from rlfleet.policygroup._errors import PolicyGroupError
+from rlfleet.weightsync import Layout
 
-NODE_BUFFER, BROADCAST = "node_buffer", "broadcast"
-
-
-@dataclass
-class Step:
-    """One transfer of a sync. `after`: the steps whose bytes this one needs."""
-
-    index: int
-    transport: str
-    src: Policy
-    dst: list[Policy]
-    node: Hashable  # node_buffer: the node whose buffer; broadcast: the destinations' node
-    after: tuple[int, ...] = ()
-    group_id: str | None = None  # broadcast: its weight-transfer group, once it exists
-    src_rank: int | None = None  # broadcast: the sender's world rank
+ROLE_IDS = {"trainer": "trainer", "rollout": "rollout"}
 
 
 class Processes:
-    """Node and GPU of every worker, `placement_info` and `transfer_info` (the seed's shapes)."""
+    """Node, device and stable id of every worker; the seed's `placement_info` view."""
 
     def __init__(self, roster: Roster, calls: Calls) -> None:
         self.roster = roster
         self.calls = calls
         self.node_of: dict[Hashable, Any] = {}
-        self.gpu_of: dict[Hashable, int] = {}
-        self.placement_info: dict[Any, dict[str, list[Policy]]] = {}
-        self.transfer_info: dict[Any, list[dict[str, Any]]] = {}
+        self.gpu_of: dict[Hashable, int] = {}  # -1: a CPU worker
         self.colocated = False
+        self._ids: dict[Hashable, str] = {}
+        self._counters = {role: itertools.count() for role in ROLE_IDS}
 
     def locate(self, policies: Sequence[Policy]) -> None:
         """Ask each worker not located yet for its node and GPU."""
@@ -53,96 +45,109 @@ class Processes:
         if not todo:
             return
         nodes = self.calls.call_all(todo, "_get_node_id")
-        gpus = self.calls.call_all(todo, "_get_gpu_ids")
-        for p, node, gpu in zip(todo, nodes, gpus, strict=True):
-            self.node_of[self.roster.wid(p)] = node
-            self.gpu_of[self.roster.wid(p)] = gpu[0] if gpu else 0
+        devices = self.calls.call_all(todo, "report_node_ip_and_gpu_id")
+        for p, node, (_ip, gpu) in zip(todo, nodes, devices, strict=True):
+            self.node_of[self.roster.wid(p)] = str(node)
+            self.gpu_of[self.roster.wid(p)] = int(gpu)
 
     def node(self, policy: Policy) -> Any:
         self.locate([policy])
         return self.node_of[self.roster.wid(policy)]
 
-    def place(self, colocated: bool, strategy: str) -> None:
-        """Workers by node, then the transfers between them (the seed's planners)."""
-        self.colocated = colocated
+    def pid(self, policy: Policy) -> str:
+        """The worker's process id in sync plans (a new one when its role changed)."""
+        role = "trainer" if self.roster.is_trainer(policy) else "rollout"
+        wid = self.roster.wid(policy)
+        current = self._ids.get(wid)
+        if current is None or not current.startswith(role):
+            current = self._ids[wid] = f"{ROLE_IDS[role]}-{next(self._counters[role])}"
+        return current
+
+    def by_pid(self) -> dict[str, Policy]:
+        return {self.pid(p): p for p in self.roster.train_list + self.roster.eval_list}
+
+    @property
+    def placement_info(self) -> dict[Any, dict[str, list[Policy]]]:
+        """The seed's view: workers by node."""
+        info: dict[Any, dict[str, list[Policy]]] = {}
+        for key, members in (("train_policies", self.roster.train_list), ("eval_policies", self.roster.eval_list)):
+            for p in members:
+                info.setdefault(self.node(p), {"train_policies": [], "eval_policies": []})[key].append(p)
+        return info
+
+    def sync_processes(self, strategy: str) -> list[SyncProcess]:
+        """Every worker as a SyncProcess; "Sharded" rollout worker i of a node keeps share i."""
         roster = self.roster
         self.locate(roster.train_list + roster.eval_list)
-        info: dict[Any, dict[str, list[Policy]]] = {}
-        for key, members in (("train_policies", roster.train_list), ("eval_policies", roster.eval_list)):
-            for p in members:
-                entry = info.setdefault(self.node(p), {"train_policies": [], "eval_policies": []})
-                entry[key].append(p)
-        self.placement_info = info
-        self.plan_transfers(strategy)
+        out = []
+        for p in roster.train_list:
+            out.append(SyncProcess(self.pid(p), "trainer", self.node(p), self._device(p)))
+        by_node: dict[Any, list[Policy]] = {}
+        for p in roster.eval_list:
+            by_node.setdefault(self.node(p), []).append(p)
+        for p in roster.eval_list:
+            mates = by_node[self.node(p)]
+            shard = (mates.index(p), len(mates)) if strategy == "Sharded" else None
+            out.append(SyncProcess(self.pid(p), "rollout", self.node(p), self._device(p), shard))
+        return out
 
-    def plan_transfers(self, strategy: str) -> None:
-        self.placement_info = {n: e for n, e in self.placement_info.items() if any(e.values())}
-        train, evals = self.roster.train_list, self.roster.eval_list
-        if not train or not evals:
-            self.transfer_info = {}
-        elif self.colocated:
-            self.transfer_info = build_transfer_info_for_colocated(train, evals)
-        else:  # the seed's planner knows no "Sharded": its transfers are Double's
-            seed = "Double" if strategy == "Sharded" else strategy
-            self.transfer_info = build_transfer_info_for_disaggregated(self.placement_info, seed)
-
-    def drop(self, policy: Policy) -> None:
-        for entry in self.placement_info.values():
-            entry["eval_policies"] = [p for p in entry["eval_policies"] if p is not policy]
+    def _device(self, policy: Policy) -> str:
+        gpu = self.gpu_of[self.roster.wid(policy)]
+        return "cpu" if gpu < 0 else f"cuda:{gpu}"
 
 
-def _add(members: list[Policy], policy: Policy) -> None:
-    if all(policy is not m for m in members):
-        members.append(policy)
+def cluster_topology(nodes: Sequence[str], overrides: Mapping[str, Any] | None) -> Topology | None:
+    """The cluster as rlfleet.placement sees it (`ray.nodes()`); None without Ray (local objects)."""
+    if not ray.is_initialized():
+        return None
+    listed = ray_nodes()
+    known = {str(n.get("NodeID")) for n in listed if n.get("Alive")}
+    if not listed or not set(nodes) <= known:
+        return None
+    return Topology.from_ray_nodes(listed, overrides)
 
 
-def plan_steps(processes: Processes, shared: bool) -> list[Step]:
-    """The steps of one sync from `transfer_info`: the trainers' node buffers, then each broadcast
-    (with "Shared", followed by the node buffer it fills: one rollout worker receives for its
-    node, the others read that node's buffer)."""
-    node: Callable[[Policy], Any] = processes.node
-    evals = processes.roster.eval_list
-    writers: dict[Any, Policy] = {}
-    readers: dict[Any, list[Policy]] = {}
-    cross: list[tuple[Policy, list[Policy], Any]] = []  # (sender, receivers, their node)
-    fed: set[Any] = set()  # nodes whose buffer gets filled ("Shared")
-    for item in (it for items in processes.transfer_info.values() for it in items):
-        sender, receivers = item["sender"], item["receiver"]
-        receivers = receivers if isinstance(receivers, list) else [receivers]
-        s_node = node(sender)
-        if item.get("intra_node") or (receivers and all(node(r) == s_node for r in receivers)):
-            writers.setdefault(s_node, sender)
-            for r in [p for p in evals if node(p) == s_node] if shared else receivers:
-                _add(readers.setdefault(s_node, []), r)
-            fed.add(s_node)
-            continue
-        for r in receivers:
-            r_node = node(r)
-            if shared and r_node in fed:
-                _add(readers.setdefault(r_node, []), r)
-            elif shared:
-                fed.add(r_node)
-                cross.append((sender, [r], r_node))
-                for other in (p for p in evals if node(p) == r_node and p is not r):
-                    _add(readers.setdefault(r_node, []), other)
-            else:
-                same = [c for c in cross if c[0] is sender and c[2] == r_node]
-                if same:
-                    same[0][1].append(r)
-                else:
-                    cross.append((sender, [r], r_node))
-    broadcast_to = {processes.roster.wid(r) for _, rs, _ in cross for r in rs}
-    if shared:  # a rollout worker that receives a broadcast never also reads its node buffer
-        readers = {
-            n: [r for r in rs if processes.roster.wid(r) not in broadcast_to] for n, rs in readers.items()
-        }
-    steps = [Step(0, NODE_BUFFER, w, readers.get(n, []), n) for n, w in writers.items()]
-    for sender, receivers, r_node in cross:
-        steps.append(Step(0, BROADCAST, sender, receivers, r_node))
-        if shared:
-            steps.append(
-                Step(0, NODE_BUFFER, receivers[0], readers.get(r_node, []), r_node, (len(steps) - 1,))
+def cost_overrides(cost: CostModel | None) -> dict[str, Any]:
+    """Topology rates that agree with a calibrated cost model (so pricing keeps its rates)."""
+    if cost is None:
+        return {}
+    return {
+        "nic_bandwidth": cost.inter_node_bytes_per_s,
+        "nic_latency": cost.latency_s,
+        "host_bandwidth": cost.intra_node_bytes_per_s,
+    }
+
+
+def plan_for(
+    processes: Sequence[SyncProcess], layout: Mapping[str, Any], config: PolicyConfig, colocated: bool
+) -> SyncPlan:
+    """The plan placement makes for these processes and the trainers' layout (validated)."""
+    wb = config.weight_buffer
+    parsed = Layout.from_dict(layout)
+    sizes = [b.nbytes for b in parsed.buckets]
+    tensors = [len(b.tensors) for b in parsed.buckets]
+    overrides = {**cost_overrides(config.cost_model), **dict(config.topology or {})}
+    topology = cluster_topology([p.node for p in processes], overrides)
+    common: dict[str, Any] = {
+        "topology": topology,
+        "cost": config.cost_model,
+        "layout_digest": parsed.digest,
+        "bucket_tensors": tensors,
+    }
+    try:
+        if wb.planner == "seed":
+            plan = seed_sync_plan(processes, sizes, wb.buffer_strategy, colocated=colocated, **common)
+        else:
+            plan = plan_sync(
+                processes,
+                sizes,
+                wb.buffer_strategy,
+                senders=wb.senders,  # type: ignore[arg-type]
+                fanout=wb.fanout,  # type: ignore[arg-type]
+                cuda_ipc=False,  # GPU workers of a node meet in the node buffer (no CUDA IPC step here)
+                **common,
             )
-    for i, step in enumerate(steps):
-        step.index = i
-    return steps
+        plan.validate()
+    except ValueError as exc:
+        raise PolicyGroupError(f"sync plan: {exc}") from exc
+    return plan

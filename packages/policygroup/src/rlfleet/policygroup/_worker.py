@@ -2,8 +2,8 @@
 
 A user subclasses it and supplies the model (`build_model`), the rollout step (`rollout_step`)
 and the training step (`train_step`). The rest is delegated to small components, each with its
-own module: communication groups (`_worker_comm`), weights and the weightsync endpoint they
-arrive through (`_weights`), device facts and profiling (`_device`), checkpoints
+own module: communication groups (`_worker_comm`), the calls of a weight sync and the
+weightsync endpoint versions arrive through (`_worker_sync`), device facts and profiling (`_device`), checkpoints
 (`_checkpoint`), offload (`_offload`) and NeMo's reshard calls (`_reshard`). It works the same
 as a local object and as a Ray actor.
 """
@@ -27,11 +27,10 @@ from rlfleet.policygroup._errors import WorkerDiedError
 from rlfleet.policygroup._offload import Offload
 from rlfleet.policygroup._reshard import ReshardWorkerMixin
 from rlfleet.policygroup._worker_comm import CommGroupCalls, WorkerComm
+from rlfleet.policygroup._worker_sync import WeightCalls
 from rlfleet.weightsync import (
-    Deadline,
     Layout,
     ServingLock,
-    WeightEndpoint,
     WorkerWeights,
     checksum,
     fingerprint,
@@ -49,7 +48,7 @@ class PolicyRole(str, enum.Enum):
 ROLE_NAMES = {PolicyRole.TRAIN: "trainer", PolicyRole.EVAL: "rollout worker"}  # in messages
 
 
-class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
+class BasePolicy(CommGroupCalls, WeightCalls, ReshardWorkerMixin):
     """A trainer or rollout worker; subclass it with a model, a rollout step and a train step.
 
     Works as a plain object (single process) and as a Ray actor (`ray.remote(cls)`); the policy
@@ -286,95 +285,6 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
 
     def get_weight_layout(self, bucket_bytes: int) -> dict[str, Any]:
         return Layout.from_state_dict(self.model.state_dict(), bucket_bytes).to_dict()
-
-    # ================================================================== weights: moving them
-    def init_weight_buffer(
-        self,
-        shared_weight_buffer: Mapping[str, Any] | None = None,
-        *,
-        strategy: str | None = None,
-        layout: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Receive with `strategy` from now on (default: "Shared" given a node buffer, else the config's).
-
-        `layout` is the trainers' (ours must equal it; an error names the first parameter that
-        differs). `shared_weight_buffer["name"]` names the node's buffer, which "Shared" binds to
-        zero-copy and the other strategies copy each version out of; "Sharded" also needs
-        ``{"rank": r, "world_size": n}`` (this worker's share of each version).
-        """
-        if strategy is None:
-            default = self.config.weight_buffer.buffer_strategy
-            strategy = "Shared" if shared_weight_buffer is not None else default
-        self._weights.init_endpoint(self.model, strategy, shared_weight_buffer, layout)
-        self._restarted = False
-
-    def release_weight_buffers(self) -> int:
-        """Leave the node's buffer, unlinking it if this worker wrote it; returns how many unlinked."""
-        return self._weights.release()
-
-    def create_shared_writer(
-        self, layout: Mapping[str, Any], num_readers: int, prefix: str = "rlfleet", checksums: bool = False
-    ) -> str:
-        """Become the writer of this node's buffer (two slots); returns its name for the readers."""
-        return self._weights.create_writer(layout, num_readers, prefix, checksums)
-
-    def publish_shared(self, version: int, timeout_s: float) -> int:
-        """Trainer on the node: write this version once into the node's buffer."""
-        return self._weights.publish(self.model, version, timeout_s)
-
-    def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float) -> int:
-        """Broadcast this trainer's weights in weight-transfer group `group_id` (we are the root)."""
-        layout = self._weights.layout_for(self.model, bucket_bytes)
-        self._comm.sender(group_id, layout).send(self.model.state_dict(), version, Deadline(timeout_s))
-        return layout.padded_bytes
-
-    def send_weights_ipc(self) -> dict[str, torch.Tensor]:
-        """Colocated seed path: a CPU copy of the state dict (travels through the object store)."""
-        return self.get_state_dict()
-
-    def _receiving(self) -> WeightEndpoint:
-        self._refuse_if_restarted()
-        return self._weights.require_endpoint()
-
-    def stage_from_segment(self, name: str, version: int, *_after: Any) -> int:
-        """Take `version` from this node's buffer `name` (`_after`: the call that fills it)."""
-        return int(self._receiving().stage_from_node(name, version, self.config.sync_timeout_s))
-
-    def recv_broadcast(self, group_id: str, src_rank: int, version: int, timeout_s: float) -> int:
-        """Receive `version` from world rank `src_rank` in group `group_id`, then stage it."""
-        endpoint = self._receiving()
-        receiver = self._comm.receiver(group_id, endpoint.layout, src_rank)
-        return int(endpoint.receive(receiver, version, Deadline(timeout_s)))
-
-    def recv_weights_ipc(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> int:
-        """Colocated seed path: load a state dict that came through the object store."""
-        with self._serve.exclusive(self.config.drain_timeout_s):
-            self.load_state_dict(state)
-            self._weights.version = self._weights.version + 1 if version is None else int(version)
-        return self._weights.version
-
-    def apply_staged(
-        self, version: int | None = None, timeout_s: float | None = None, group_id: str | None = None
-    ) -> int:
-        """Make the staged version live (`group_id`: the node's gather group, "Sharded")."""
-        endpoint = self._weights.endpoint
-        if endpoint is None:
-            return self._weights.version
-        group = None if group_id is None else self._comm.group(group_id)
-        return int(endpoint.apply(version, timeout_s or self.config.drain_timeout_s, group))
-
-    def notify_update_weights(self) -> int:
-        """Seed call: new weights are staged; apply them now (the group drains us first)."""
-        return self.apply_staged()
-
-    def wait_for_weight_update_done(self, timeout: float = 60.0) -> bool:
-        """True once no received version is waiting to be applied (False on timeout)."""
-        endpoint = self._weights.endpoint
-        return True if endpoint is None else bool(endpoint.wait_applied(timeout))
-
-    def get_staged_version(self) -> int | None:
-        endpoint = self._weights.endpoint
-        return None if endpoint is None else endpoint.staged_version
 
     # ================================================================== NeMo RL worker surface
     def is_alive(self) -> bool:
