@@ -61,6 +61,9 @@ class MLPPolicy(BasePolicy):
     def die(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def segment_exists(self, name: str) -> bool:
+        return os.path.exists(os.path.join("/dev/shm", name))
+
 
 class NoopPolicy(BasePolicy):
     """No model work at all: measures the group's own overhead."""

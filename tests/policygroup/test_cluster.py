@@ -280,6 +280,99 @@ def test_role_conversion(actors: dict[str, Any]) -> None:
         group.shutdown()
 
 
+def test_sync_report_matches_the_plan_it_ran(actors: dict[str, Any]) -> None:
+    group = make_group(actors, config("Shared", "CPUWeightBuffer"))
+    try:
+        plan = group.sync_plan
+        assert plan is not None and plan.name == "rlfleet"
+        assert plan.topology_source.startswith("topology: ray.nodes()")  # the cluster, not a placeholder
+        ids = {group.process_id(p) for p in group.train_list + group.eval_list}
+        assert {p.id for p in plan.processes} == ids
+        group.train(None, seed=31)
+        report = group.sync_weights()
+        assert report is not None and report.ok and report.matches(plan)
+        assert report is group.last_sync_report
+        assert report.predicted_seconds == plan.predicted_seconds
+        for step in report.steps:
+            assert step.predicted_seconds == plan.steps[step.index].predicted_seconds
+            assert step.measured_seconds > 0
+        transports = {plan.steps[s.index].transport: s.phases for s in report.steps}
+        assert "wire" in transports["broadcast"] and "land" in transports["node_buffer"]
+        assert f"v{group.weight_version} ok" in report.summary()
+    finally:
+        group.shutdown()
+
+
+def test_pop_replans_like_a_death(actors: dict[str, Any]) -> None:
+    """Shared: the popped reader leaves its node buffer and the next syncs work; None: the
+    popped worker is never written to again; both keep serving what they held."""
+    for strategy, kind in (("Shared", "CPUWeightBuffer"), ("None", "WeightBuffer")):
+        group = make_group(actors, config(strategy, kind))
+        try:
+            popped = group.pop("eval")
+            assert popped is actors["eval3"]
+            pid = group.process_id(popped)
+            assert pid not in {p.id for p in group.sync_plan.processes}
+            before = ray.get(popped.get_weight_checksum.remote(), timeout=60)
+            version = ray.get(popped.get_weight_version.remote(), timeout=60)
+            for step in (41, 42):
+                train_sync_and_check(group, step)
+            assert ray.get(popped.get_weight_checksum.remote(), timeout=60) == before
+            assert ray.get(popped.get_weight_version.remote(), timeout=60) == version
+            out = ray.get(popped._rollout.remote(obs(1)[0]), timeout=60)  # still serves its version
+            assert out["version"] == version
+        finally:
+            group.shutdown()
+
+
+def test_postprocess_offload_and_pop_push_on_ray_actors(actors: dict[str, Any]) -> None:
+    group = make_group(actors, config("Double"))
+    try:
+        batch = obs(6)
+        ids = [f"env-{i}" for i in range(6)]
+        resp = group.rollout_batch(BatchedData(ids, batch))
+        post = group.postprocess(BatchedData(ids, batch), resp)
+        assert post.ids() == ids
+        assert ray.get(post.values(), timeout=60) == ray.get(resp.values(), timeout=60)
+        assert group.wait_idle() == 0
+        group.train(None, seed=51)
+        group.offload_model_optimizer()
+        states = ray.get([t.get_offload_state.remote() for t in group.train_list], timeout=60)
+        assert all(s["optimizer"] for s in states)
+        group.reload_model_param_and_grad()
+        group.train(None, seed=52)  # the optimizer came back
+        popped = group.pop("eval")
+        group.push(popped, "eval")
+        group.init_eval()
+        group.init_placement_info()
+        group.init_weight_buffer()
+        group.init_comm_group("gloo")
+        train_sync_and_check(group, 53)
+    finally:
+        group.shutdown()
+
+
+def test_worker_shutdown_releases_its_node_buffer(actors: dict[str, Any]) -> None:
+    remote = ray.remote(MLPPolicy)
+    trainer = remote.options(num_cpus=0, resources={"node1": 1}).remote(config=config(), role="train")
+    reader = remote.options(num_cpus=0, resources={"node1": 1}).remote(config=config())
+    group = PolicyGroup([trainer], [reader], config("Shared", "CPUWeightBuffer"))
+    group.init(TrainConfig(lr=1e-2))
+    group.init_placement_info()
+    group.init_weight_buffer()
+    group.sync_weights()
+    [entry] = group.shared_weight_buffer_map.values()
+    name = entry["shared_weight_buffer"]["name"]
+    assert ray.get(reader.get_weight_version.remote(), timeout=60) == 1
+    assert ray.get(trainer.shutdown.remote(), timeout=60) is True
+    assert ray.get(reader.shutdown.remote(), timeout=60) is True
+    assert not ray.get(trainer.segment_exists.remote(name), timeout=60)  # unlinked by its writer
+    out = ray.get(reader._rollout.remote(obs(1)[0]), timeout=60)  # private weights, still version 1
+    assert out["version"] == 1
+    for a in (trainer, reader):
+        ray.kill(a)
+
+
 def test_comm_group_names_the_rank_that_did_not_join(actors: dict[str, Any]) -> None:
     a, b = actors["train0"], actors["eval2"]
     addr, port = ray.get(a._get_addr_and_port.remote(), timeout=30)
@@ -303,6 +396,34 @@ def test_comm_group_names_the_rank_that_did_not_join(actors: dict[str, Any]) -> 
         assert isinstance(info.value.cause, CommGroupError)
         assert "rank(s) [2] did not join" in str(info.value.cause)
         assert info.value.cause.missing_ranks == (2,)
+
+
+def test_zy_sharded_group_survives_a_dead_rollout_worker(actors: dict[str, Any]) -> None:
+    remote = ray.remote(MLPPolicy)
+    extra = [
+        remote.options(num_cpus=0, max_concurrency=16, resources={"node2": 1}).remote(config=config(), index=i)
+        for i in (4, 5, 6)
+    ]
+    group = PolicyGroup(
+        [actors["train0"], actors["train1"]], extra, config("Sharded", "ShardedWeightBuffer")
+    )
+    try:
+        group.init(TrainConfig(lr=1e-2))
+        group.init_placement_info()
+        group.init_weight_buffer()
+        group.init_comm_group("gloo")
+        group.sync_weights()
+        ray.kill(extra[2], no_restart=True)
+        group.train(None, seed=61)
+        group.sync_weights()  # re-planned by placement: two shares on node2 now
+        assert len(group.eval_list) == 2
+        assert sorted(p.shard for p in group.sync_plan.rollouts) == [(0, 2), (1, 2)]
+        check_synced(group)
+        train_sync_and_check(group, 62)
+    finally:
+        group.shutdown()
+        for a in extra:
+            ray.kill(a)
 
 
 def test_zz_dead_eval_is_dropped_and_sync_completes(actors: dict[str, Any]) -> None:

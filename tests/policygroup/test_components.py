@@ -1,5 +1,5 @@
 """The policy group's parts on their own, in one process: checkpoints, offload, timings, device
-facts, the sync planner and call failure classification (the Ray paths are in test_cluster)."""
+facts, the group's sync plan and call failure classification (the Ray paths are in test_cluster)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import pytest
 import torch
 from pg_policies import MLPPolicy
 
-from rlfleet.policygroup import PolicyConfig, PolicyGroupError, WeightBufferConfig
+from rlfleet.placement import plan_sync
+from rlfleet.policygroup import PolicyConfig, PolicyGroupError, PolicyRole, WeightBufferConfig
 from rlfleet.policygroup._calls import Calls, Roster, vagueness
 from rlfleet.policygroup._checkpoint import Checkpoints
 from rlfleet.policygroup._device import Timings, device_id, device_info
 from rlfleet.policygroup._offload import Offload
-from rlfleet.policygroup._sync_plan import BROADCAST, NODE_BUFFER, Processes, plan_steps
+from rlfleet.policygroup._sync_plan import Processes, plan_for
+from rlfleet.policygroup._sync_wiring import changed_nodes
 from rlfleet.weightsync import LayoutMismatchError, checksum
 
 
@@ -84,40 +86,81 @@ def test_device_facts_on_cpu() -> None:
     assert device_id(torch.device("cpu")).startswith("CPU-")
 
 
-def _planned(strategy: str) -> tuple[list[Any], list[Any], Any]:
-    """Trainers on nodes A and B, rollout workers on A, B and (two) C; the steps for `strategy`."""
-    config = PolicyConfig(weight_buffer=WeightBufferConfig(buffer_strategy=strategy, type="CPUWeightBuffer"))
-    train = [MLPPolicy(config, role="train", index=i) for i in range(2)]
+def _processes(strategy: str, n_train: int = 2) -> tuple[list[Any], list[Any], Processes]:
+    """Trainers on nodes A and B, rollout workers on A, B and (two) C, located without a call."""
+    config = PolicyConfig(weight_buffer=WeightBufferConfig(buffer_strategy=strategy, type=KIND[strategy]))
+    train = [MLPPolicy(config, role="train", index=i) for i in range(n_train)]
     evals = [MLPPolicy(config, index=i) for i in range(4)]
     roster = Roster(train, evals)
     processes = Processes(roster, Calls(roster, 10.0, lambda: []))
-    for policy, node in zip(train + evals, "ABABCC", strict=True):
+    for policy, node in zip(train + evals, "AB"[:n_train] + "ABCC", strict=True):
         processes.node_of[roster.wid(policy)] = node  # located: no call to the workers
-        processes.gpu_of[roster.wid(policy)] = 0
-    processes.place(False, strategy)
-    return train, evals, plan_steps(processes, strategy == "Shared")
+        processes.gpu_of[roster.wid(policy)] = -1
+    return train, evals, processes
 
 
-def test_sync_steps_double_copy_from_node_buffers_and_broadcast_across_nodes() -> None:
-    train, evals, steps = _planned("Double")
-    buffers = [s for s in steps if s.transport == NODE_BUFFER]
-    [broadcast] = [s for s in steps if s.transport == BROADCAST]
-    assert {(s.node, s.src, tuple(s.dst)) for s in buffers} == {
-        ("A", train[0], (evals[0],)),
-        ("B", train[1], (evals[1],)),
+KIND = {"Double": "WeightBuffer", "Shared": "CPUWeightBuffer", "Sharded": "ShardedWeightBuffer"}
+
+
+def _plan(strategy: str, **wb: Any) -> tuple[list[Any], list[Any], Processes, Any]:
+    train, evals, processes = _processes(strategy)
+    config = PolicyConfig(
+        weight_buffer=WeightBufferConfig(buffer_strategy=strategy, type=KIND[strategy], bucket_bytes=1024, **wb)
+    )
+    layout = train[0].get_weight_layout(1024)
+    return train, evals, processes, plan_for(processes.sync_processes(strategy), layout, config, False)
+
+
+def test_the_plan_is_placements_plan_sync_over_the_group_processes() -> None:
+    train, evals, processes, plan = _plan("Double")
+    ids = [processes.pid(p) for p in train + evals]
+    assert ids == ["trainer-0", "trainer-1", "rollout-0", "rollout-1", "rollout-2", "rollout-3"]
+    expected = plan_sync(processes.sync_processes("Double"), plan.bucket_bytes, "Double", senders="one")
+    assert [s.signature() for s in plan.steps] == [s.signature() for s in expected.steps]
+    [broadcast] = [s for s in plan.steps if s.transport == "broadcast"]
+    assert broadcast.dst == ("rollout-2", "rollout-3")  # node C has no trainer: direct fan-out
+    assert plan.topology_source.startswith("fallback")  # no Ray here: priced on the documented defaults
+    seed = _plan("Double", planner="seed")[3]
+    assert seed.name == "seed"
+
+
+def test_sharded_rollout_workers_carry_their_node_share() -> None:
+    *_, plan = _plan("Sharded")
+    assert {p.id: p.shard for p in plan.rollouts} == {
+        "rollout-0": (0, 1),
+        "rollout-1": (0, 1),
+        "rollout-2": (0, 2),
+        "rollout-3": (1, 2),
     }
-    assert broadcast.node == "C"
-    assert broadcast.src in train
-    assert broadcast.dst == [evals[2], evals[3]]
-    assert [s.index for s in steps] == list(range(len(steps)))
 
 
-def test_sync_steps_shared_has_one_receiver_fill_its_node_buffer() -> None:
-    _, evals, steps = _planned("Shared")
-    [broadcast] = [s for s in steps if s.transport == BROADCAST]
-    assert broadcast.dst == [evals[2]]
-    [fed] = [s for s in steps if s.transport == NODE_BUFFER and s.node == "C"]
-    assert (fed.src, fed.dst, fed.after) == (evals[2], [evals[3]], (broadcast.index,))
+def test_ids_are_stable_and_a_new_role_gets_a_new_id() -> None:
+    train, evals, processes = _processes("Double")
+    first = processes.pid(evals[3])
+    processes.roster.policy_list[PolicyRole.EVAL].remove(evals[1])
+    assert processes.pid(evals[3]) == first  # a death elsewhere renames nobody
+    processes.roster.policy_list[PolicyRole.EVAL].remove(evals[3])
+    processes.roster.policy_list[PolicyRole.TRAIN].append(evals[3])
+    assert processes.pid(evals[3]) == "trainer-2"
+
+
+def test_a_death_rebuilds_only_the_node_it_changed() -> None:
+    train, evals, processes, plan = _plan("Shared")
+    processes.roster.policy_list[PolicyRole.EVAL].remove(evals[3])
+    layout = train[0].get_weight_layout(1024)
+    config = PolicyConfig(weight_buffer=WeightBufferConfig(buffer_strategy="Shared", type="CPUWeightBuffer", bucket_bytes=1024))
+    again = plan_for(processes.sync_processes("Shared"), layout, config, False)
+    assert changed_nodes(plan, again) == {"C"}
+    assert changed_nodes(plan, plan) == set()
+    assert changed_nodes(None, plan) == {"A", "B", "C"}
+    assert again.diff(plan).processes_removed == ("rollout-3",)
+
+
+def test_fanouts_that_cannot_run_are_refused_in_the_config() -> None:
+    with pytest.raises(ValueError, match="fanout 'direct' does not run with buffer_strategy 'Shared'"):
+        WeightBufferConfig(type="CPUWeightBuffer", buffer_strategy="Shared", fanout="direct")
+    with pytest.raises(ValueError, match="weight_buffer.planner 'mine' is unknown"):
+        WeightBufferConfig(planner="mine")
 
 
 class _Refusing(MLPPolicy):

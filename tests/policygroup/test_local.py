@@ -61,6 +61,56 @@ def test_local_sync_rollout_and_checks(strategy: str, kind: str) -> None:
         group.shutdown()
 
 
+class _SlowWriter(MLPPolicy):
+    """A trainer whose node-buffer write takes longer than the whole sync may."""
+
+    def publish_shared(self, version: int, timeout_s: float) -> int:
+        time.sleep(timeout_s + 0.2)
+        return super().publish_shared(version, timeout_s)
+
+
+def test_one_deadline_bounds_every_step_of_a_sync() -> None:
+    """A step that starts after the sync's deadline is refused at once (it does not get a fresh
+    timeout of its own), and nothing is applied: every rollout worker keeps its version."""
+    cfg = PolicyConfig(
+        weight_buffer=WeightBufferConfig(type="CPUWeightBuffer", buffer_strategy="Shared", bucket_bytes=2048),
+        sync_timeout_s=0.5,
+    )
+    group = PolicyGroup([_SlowWriter(cfg, role="train")], [MLPPolicy(cfg, index=i) for i in range(3)], cfg)
+    group.init(TrainConfig(lr=1e-2))
+    group.init_placement_info()
+    group.init_weight_buffer()
+    try:
+        before = [p.get_weight_checksum() for p in group.eval_list]
+        group.train(None, seed=2)
+        with pytest.raises(Exception, match="the sync's deadline passed"):
+            group.sync_weights()
+        assert group.eval_weight_versions() == [0, 0, 0]
+        assert [p.get_weight_checksum() for p in group.eval_list] == before
+        report = group.last_sync_report
+        assert report is not None and not report.ok and "deadline" in str(report.error)
+    finally:
+        group.shutdown()
+
+
+def test_local_sync_report_and_plan() -> None:
+    group = local_group("Double", "WeightBuffer")
+    try:
+        plan = group.sync_plan
+        assert plan is not None and [s.transport for s in plan.steps] == ["node_buffer"]
+        assert plan.topology_source.startswith("no topology") or plan.topology_source.startswith("fallback")
+        report = group.sync_weights()
+        assert report is not None and report.ok and report.matches(plan)
+        [step] = report.steps
+        assert set(step.phases) >= {"pack", "land", "control"}
+        info = group.transfer_info  # the seed's shape, a view of the plan
+        [items] = info.values()
+        assert items[0]["sender"] is group.train_list[0]
+        assert items[0]["receiver"] == group.eval_list
+    finally:
+        group.shutdown()
+
+
 def test_shared_strategy_binds_every_eval_to_one_segment() -> None:
     group = local_group("Shared", "CPUWeightBuffer")
     try:

@@ -24,9 +24,6 @@ from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.weightsync import Layout
 
-ROLE_IDS = {"trainer": "trainer", "rollout": "rollout"}
-
-
 class Processes:
     """Node, device and stable id of every worker; the seed's `placement_info` view."""
 
@@ -37,7 +34,7 @@ class Processes:
         self.gpu_of: dict[Hashable, int] = {}  # -1: a CPU worker
         self.colocated = False
         self._ids: dict[Hashable, str] = {}
-        self._counters = {role: itertools.count() for role in ROLE_IDS}
+        self._counters = {role: itertools.count() for role in ("trainer", "rollout")}
 
     def locate(self, policies: Sequence[Policy]) -> None:
         """Ask each worker not located yet for its node and GPU."""
@@ -56,12 +53,12 @@ class Processes:
 
     def pid(self, policy: Policy) -> str:
         """The worker's process id in sync plans (a new one when its role changed)."""
-        role = "trainer" if self.roster.is_trainer(policy) else "rollout"
-        wid = self.roster.wid(policy)
-        current = self._ids.get(wid)
-        if current is None or not current.startswith(role):
-            current = self._ids[wid] = f"{ROLE_IDS[role]}-{next(self._counters[role])}"
-        return current
+        for p in [*self.roster.train_list, *self.roster.eval_list, policy]:  # first sight: roster order
+            role = "trainer" if self.roster.is_trainer(p) else "rollout"
+            wid = self.roster.wid(p)
+            if not self._ids.get(wid, "").startswith(role):
+                self._ids[wid] = f"{role}-{next(self._counters[role])}"
+        return self._ids[self.roster.wid(policy)]
 
     def by_pid(self) -> dict[str, Policy]:
         return {self.pid(p): p for p in self.roster.train_list + self.roster.eval_list}
