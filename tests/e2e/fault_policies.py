@@ -102,10 +102,10 @@ class FaultPolicy(BasePolicy):
         """(type, message, seconds the call ran) of the last failed receive on this worker."""
         return self._last_error
 
-    def _recording(self, fn: Any, *args: Any) -> Any:
+    def _recording(self, fn: Any) -> Any:
         start = time.monotonic()
         try:
-            return fn(*args)
+            return fn()
         except BaseException as exc:
             self._last_error = (type(exc).__name__, str(exc), time.monotonic() - start)
             raise
@@ -162,13 +162,13 @@ class FaultPolicy(BasePolicy):
             consumer.consume = consume  # type: ignore[method-assign]
 
     # weight-sync entry points, each with its fault point
-    def stage_from_segment(self, name: str, version: int, *deps: Any) -> int:
+    def stage_from_segment(self, name: str, version: int, *deps: Any, timeout_s: float | None = None) -> int:
         if self._faults.get("stage", ("",))[0] == "corrupt":
             del self._faults["stage"]
             self._corrupt_segment(name, version)
         self._fire("stage")
         self._hook_consumers()
-        return int(self._recording(super().stage_from_segment, name, version, *deps))
+        return int(self._recording(lambda: super(FaultPolicy, self).stage_from_segment(name, version, timeout_s=timeout_s)))
 
     def _corrupt_segment(self, name: str, version: int) -> None:
         """Flip one byte of the first tensor of `version` in the node's shared buffer `name`
@@ -191,14 +191,14 @@ class FaultPolicy(BasePolicy):
         finally:
             segment.close()
 
-    def recv_broadcast(self, group_id: str, src_rank: int, version: int, timeout_s: float) -> int:
+    def recv_broadcast(self, parts: Any, version: int, timeout_s: float) -> Any:
         self._fire("recv")
         self._hook_consumers()
-        return int(self._recording(super().recv_broadcast, group_id, src_rank, version, timeout_s))
+        return self._recording(lambda: super(FaultPolicy, self).recv_broadcast(parts, version, timeout_s))
 
-    def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float) -> int:
+    def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float, **kw: Any) -> int:
         self._fire("send")
-        return super().send_broadcast(group_id, version, bucket_bytes, timeout_s)
+        return super().send_broadcast(group_id, version, bucket_bytes, timeout_s, **kw)
 
     def publish_shared(self, version: int, timeout_s: float) -> int:
         self._fire("publish")

@@ -139,26 +139,37 @@ def rollout(group: PolicyGroup, n: int = 12) -> list[dict[str, Any]]:
 
 
 def steps(group: PolicyGroup, transport: str) -> list[Any]:
-    """The group's sync steps of one transport ("broadcast" or "node_buffer")."""
-    return [s for s in group._sync.steps if s.transport == transport]
+    """The steps of one transport ("broadcast" or "node_buffer") of the plan the group runs."""
+    plan = group.sync_plan
+    assert plan is not None
+    return [s for s in plan.steps if s.transport == transport]
 
 
-def readers_of(group: PolicyGroup, node: Any) -> list[Any]:
+def policy(group: PolicyGroup, pid: str) -> Any:
+    """The worker with process id `pid` in the group's sync plan."""
+    return next(p for p in group.train_list + group.eval_list if group.process_id(p) == pid)
+
+
+def readers_of(group: PolicyGroup, node: Any) -> list[str]:
     return [r for s in steps(group, "node_buffer") if s.node == node for r in s.dst]
 
 
 def pick(group: PolicyGroup, actors: dict[str, Any], role: str) -> str:
-    """The eval actor name playing `role` in the group's current sync steps."""
-    wid = group._roster.wid
-    name_of = {wid(a): n for n, a in actors.items()}
+    """The eval actor name playing `role` in the plan the group runs."""
+    key = group._roster.wid
+    name_of = {key(a): n for n, a in actors.items()}
+
+    def name(pid: str) -> str:
+        return name_of[key(policy(group, pid))]
+
     if role == "broadcast":  # receives over the wire from a trainer on another node
-        return name_of[wid(steps(group, "broadcast")[0].dst[-1])]
+        return name(steps(group, "broadcast")[0].dst[-1])
     if role == "writer":  # Shared: receives for node2 and fills its shared buffer
-        return name_of[wid(steps(group, "broadcast")[0].dst[0])]
+        return name(steps(group, "broadcast")[0].dst[0])
     if role == "segment":  # reads the node buffer a trainer on its node wrote
-        return name_of[wid(readers_of(group, group.node_of(actors["train1"]))[0])]
+        return name(readers_of(group, group.node_of(actors["train1"]))[0])
     if role == "reader":  # Shared: reads node2's shared buffer that another eval fills
-        return name_of[wid(readers_of(group, group.node_of(actors["eval2"]))[0])]
+        return name(readers_of(group, group.node_of(actors["eval2"]))[0])
     raise ValueError(role)
 
 
@@ -167,8 +178,10 @@ def assert_not_planned(group: PolicyGroup, victim: Any) -> None:
     gone = wid(victim)
     assert all(wid(p) != gone for p in group.eval_list)
     assert gone not in group.router
-    for step in group._sync.steps:
-        assert all(wid(p) != gone for p in [step.src, *step.dst])
+    plan = group.sync_plan
+    assert plan is not None
+    members = {group.process_id(p) for p in group.train_list + group.eval_list}
+    assert {p.id for p in plan.processes} == members
     for items in group.transfer_info.values():
         for item in items:
             receivers = item["receiver"] if isinstance(item["receiver"], list) else [item["receiver"]]
@@ -228,8 +241,8 @@ def test_trainer_killed_mid_sync_receivers_abort_and_keep_their_weights(
         before = eval_state(group)
         version = group.weight_version
         cross = steps(group, "broadcast")[0]
-        sender_pid = ray.get(cross.src.get_pid.remote(), timeout=30)
-        receiver = cross.dst[0]
+        sender_pid = ray.get(policy(group, cross.src).get_pid.remote(), timeout=30)
+        receiver = policy(group, cross.dst[0])
         # the receiver SIGKILLs the trainer after taking the first bucket: mid-stream
         ray.get(receiver.arm.remote("consume", "kill", sender_pid), timeout=30)
         start = time.monotonic()
@@ -244,13 +257,12 @@ def test_trainer_killed_mid_sync_receivers_abort_and_keep_their_weights(
         # what the dead trainer fed (its stream, and with Shared the node buffer it filled) is
         # untouched: same version, same bytes; with Double/Shared nothing is applied anywhere
         # (only staged), with "None" evals fed by the live trainer applied in place
-        wid = group._roster.wid
-        fed = {wid(r) for r in cross.dst}
+        fed = set(cross.dst)
         if strategy == "Shared":
-            fed |= {wid(r) for r in readers_of(group, cross.node)}
+            fed |= {r for s in steps(group, "node_buffer") if set(s.after) & {cross.index} for r in s.dst}
         after = eval_state(group)
         for p, old, new in zip(group.eval_list, before, after, strict=True):
-            if wid(p) in fed or strategy != "None":
+            if group.process_id(p) in fed or strategy != "None":
                 assert new == old, group._roster.name(p)
         report(f"trainer killed mid-sync ({strategy})", f"receivers: {kind}; weights unchanged", seconds)
     finally:
@@ -395,7 +407,7 @@ def test_layout_mismatch_names_the_parameter_and_applies_nothing(
         ray.get([actors[t].mutate.remote(mutation) for t in ("train0", "train1")], timeout=30)
         with pytest.raises(PolicyGroupError, match=re.escape(f"'{param}'")):
             group.sync_weights()  # the receivers' error, naming the parameter, is the one raised
-        for receiver in steps(group, "broadcast")[0].dst:
+        for receiver in (policy(group, pid) for pid in steps(group, "broadcast")[0].dst):
             kind, message, _ = ray.get(receiver.last_error.remote(), timeout=30)
             assert kind == "LayoutMismatchError", message
             assert f"'{param}'" in message
