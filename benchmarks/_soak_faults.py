@@ -144,9 +144,8 @@ class Faults:
         """The name of the node buffer the trainer writes in the current group (node0's)."""
         group = self.group
         assert group is not None
-        trainer = group._wid(self.actors["train0"])
         for entry in group.shared_weight_buffer_map.values():
-            if group._wid(entry["writer"]) == trainer:
+            if entry["writer"] is self.actors["train0"]:
                 return str(entry["shared_weight_buffer"]["name"])
         return None
 
@@ -205,7 +204,7 @@ class Faults:
             restarted = [] if ok else self.restarted()
             if restarted:  # killed after the sync and already back, with its initial weights
                 for name in restarted:
-                    group._drop_eval(self.actors[name], "restarted after a kill; rejoins next cycle")
+                    group.remove(self.actors[name], "restarted after a kill; rejoins next cycle")
                 continue
             self.stats["verifications"] += 1
             self.stats["verifications_passed"] += int(ok)

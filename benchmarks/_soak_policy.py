@@ -80,7 +80,7 @@ class SoakPolicy(BasePolicy):
         """Trainer, writer of its node's buffer: publish `unread` (the node's readers do not take
         it), then publish `doomed` and die mid-publish: SIGKILLed before its commit, or while it
         waits for a slot (a timer)."""
-        writer = self._shared_writer
+        writer = self.weights.node_writer
         assert writer is not None, "not the writer of a node buffer"
         state = self.model.state_dict()
         writer.publish(state, unread, SYNC_TIMEOUT_S)
@@ -95,7 +95,8 @@ class SoakPolicy(BasePolicy):
     def _refuse_next_prepare(self) -> None:
         """The commit-fault hook: this eval's buffer cannot ready the next commit (as a serving
         lock that cannot be taken); the sync must fail on every rank, the old version kept."""
-        buffer = self._buffer
+        endpoint = self.weights.endpoint
+        buffer = None if endpoint is None else endpoint.consumer
         if buffer is None or "_prepare" in vars(buffer):
             return
 
@@ -111,8 +112,8 @@ class SoakPolicy(BasePolicy):
             self._refuse_next_prepare()
         if self._armed != "consume":
             return
-        for consumer in (self._buffer, self._shared_writer):
-            if consumer is not None and "consume" not in vars(consumer):
+        for consumer in self.weights.consumers():
+            if "consume" not in vars(consumer):
                 original = consumer.consume
 
                 def consume(index: int, data: torch.Tensor, original: Any = original) -> None:
@@ -121,16 +122,18 @@ class SoakPolicy(BasePolicy):
 
                 consumer.consume = consume  # type: ignore[method-assign]
 
-    def stage_from_segment(self, name: str, version: int, *deps: Any) -> int:
+    def stage_from_segment(self, name: str, version: int, *deps: Any, timeout_s: float | None = None) -> int:
         self._maybe_die("stage")
         self._hook()
-        return super().stage_from_segment(name, version, *deps)
+        return super().stage_from_segment(name, version, *deps, timeout_s=timeout_s)
 
-    def recv_broadcast(self, group_id: str, src_rank: int, version: int, timeout_s: float) -> int:
+    def recv_broadcast(self, parts: Any, version: int, timeout_s: float) -> Any:
         self._maybe_die("stage")
         self._hook()
-        return super().recv_broadcast(group_id, src_rank, version, timeout_s)
+        return super().recv_broadcast(parts, version, timeout_s)
 
-    def apply_staged(self, version: int | None = None, timeout_s: float | None = None) -> int:
+    def apply_staged(
+        self, version: int | None = None, timeout_s: float | None = None, group_id: str | None = None
+    ) -> int:
         self._maybe_die("apply")
-        return super().apply_staged(version, timeout_s)
+        return super().apply_staged(version, timeout_s, group_id)

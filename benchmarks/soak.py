@@ -158,14 +158,14 @@ class Soak(Faults):
 
     def names_in_group(self) -> set[str]:
         assert self.group is not None
-        wids = {self.group._wid(p) for p in self.group.eval_list}
-        return {n for n, a in self.actors.items() if n != "train0" and self.group._wid(a) in wids}
+        members = self.group.eval_list
+        return {n for n, a in self.actors.items() if n != "train0" and any(a is p for p in members)}
 
     # -- groups ---------------------------------------------------------------------------
     def build_group(self, strategy: str) -> None:
         evals = [n for n in ("eval0", "eval1", "eval2", "eval3") if self.alive_now(n, wait=5.0)]
         group = PolicyGroup([self.actors["train0"]], [self.actors[n] for n in evals], self.config(strategy))
-        self.uids.append(f"rlfleet-{group._uid}")
+        self.uids.append(group.buffer_prefix)
 
         step = ["init"]
 

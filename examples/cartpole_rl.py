@@ -4,7 +4,10 @@ Env workers (Ray actors, each a vector of CartPole envs) send observations throu
 `PolicyGroup.rollout_batch` to rollout workers (node-affinity routing by env id); the driver
 turns trajectories into advantages and hands each trainer its shard; the trainers run PPO,
 data-parallel over gloo; `sync_weights` moves the new weights to every rollout worker after
-each update, and `verify_eval_weight_consistency` checks them every few iterations.
+each update along the `SyncPlan` rlfleet.placement made for the cluster (one line per sync:
+what it measured next to what the plan predicted), and `verify_eval_weight_consistency`
+checks them every few iterations. The plan that ran is drawn, with its measured time, in
+out/demo/sync_plan.png.
 
     hatch run demo                       # embedded local Ray, 1 node
     hatch run demo --nodes 3             # a local 3-node Ray cluster
@@ -34,7 +37,6 @@ import ray
 import torch
 from cartpole_policy import CartPolePolicy, EnvWorker, gae
 
-from rlfleet.placement import plan_transfer
 from rlfleet.policygroup import (
     BatchedData,
     PolicyConfig,
@@ -277,19 +279,10 @@ def save_outputs(out: Path, returns: list[float], group: Any, args: argparse.Nam
     plt.close(fig)
     written.append(out / "reward_curve.png")
 
-    placement = getattr(group, "placement", None)
-    if placement is not None:
-        slots = 1 + max(int(w.device.removeprefix("cpu")) for w in placement.workers)
-        plan = plan_transfer(
-            ray_topology(slots_per_node=slots), placement, model_bytes=group_model_bytes(group)
-        )
-        written.append(plan.draw(out / "transfer_plan.png"))
+    plan, report = group.sync_plan, group.last_sync_report
+    if plan is not None:  # the plan the syncs ran, with what the last one measured
+        written.append(plan.draw(out / "sync_plan.png", report if report and report.matches(plan) else None))
     return written
-
-
-def group_model_bytes(group: Any) -> int:
-    sd = ray.get(group.train_list[0].get_state_dict.remote(), timeout=60)
-    return int(sum(t.numel() * t.element_size() for t in sd.values()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         try:
             with timings("sync"):
-                group.sync_weights()  # rollout workers start from the trainers' initial weights
+                report = group.sync_weights()  # rollout workers start from the trainers' initial weights
+            plan = group.sync_plan
+            if plan is not None and report is not None:
+                print(f"sync plan: {plan.name}, {len(plan.steps)} steps, {plan.topology_source}")
+                print(f"first sync {report.summary()}")
             solved_at = run_loop(args, group, envs, returns, timings)
             print_summary(timings, group, returns, solved_at)
             for path in save_outputs(args.out, returns, group, args):
@@ -374,7 +371,9 @@ def run_loop(
                 group.update_dataset(shards)
                 group.train(seed=args.seed * 100_000 + it)
             with timings("sync"):
-                group.sync_weights()
+                report = group.sync_weights()
+            if report is not None:
+                bar.console.print(f"iter {it:>3} sync {report.summary()}")
             if it % args.verify_every == 0:
                 with timings("verify"):
                     if not group.verify_eval_weight_consistency():

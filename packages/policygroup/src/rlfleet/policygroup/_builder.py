@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from rlfleet.placement import Placement, Topology, place_colocated, place_disaggregated
+from rlfleet.placement import Placement, Topology, TopologyError, place_colocated, place_disaggregated
 from rlfleet.policygroup._comm import ray_nodes
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
 from rlfleet.policygroup._errors import PolicyGroupError
@@ -25,37 +25,21 @@ def ray_topology(
     slots_per_node: int = 1,
     kind: str = "cpu",
     *,
-    local_bandwidth: float = 10e9,
-    network_bandwidth: float = 1.25e9,
+    overrides: Mapping[str, Any] | None = None,
 ) -> Topology:
-    """A placement Topology of alive Ray nodes (head first), `slots_per_node` devices each.
+    """A placement Topology of the alive Ray nodes (head first), `slots_per_node` devices of
+    `kind` each: rlfleet.placement's `Topology.from_ray_nodes` over ``ray.nodes()``.
 
-    Devices of a node meet at a node switch (shared memory: `local_bandwidth` bytes/s, "pcie"
-    links); nodes meet at one "fabric" switch (`network_bandwidth`, "network" links), so
-    rlfleet.placement can cost transfer plans on it.
+    Link rates come from `overrides` (``nic_bandwidth``, ``host_bandwidth``, ...), the node's
+    accelerator profile, or placement's documented fallback; ``topology.source`` says which.
     """
-    alive = [n for n in ray_nodes() if n.get("Alive")]
-    if nodes is None:
-        alive.sort(key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeID"]))
-        ids = [n["NodeID"] for n in alive]
-    else:
-        known = {n["NodeID"] for n in alive}
-        unknown = [n for n in nodes if n not in known]
-        if unknown:
-            raise PolicyGroupError(f"nodes {unknown} are not alive Ray nodes (alive: {sorted(known)})")
-        ids = list(nodes)
-    if not ids:
-        raise PolicyGroupError("no alive Ray node to place workers on")
-    devices = [f"{kind}{k}" for k in range(slots_per_node)]
-    local = {"kind": "pcie", "bandwidth": local_bandwidth, "latency": 1e-6}
-    network = {"kind": "network", "bandwidth": network_bandwidth, "latency": 5e-5}
-    spec = {
-        "nodes": [{"id": nid, "devices": [{"id": d, "kind": kind} for d in devices]} for nid in ids],
-        "switches": [{"id": "fabric"}] + [{"id": "host", "node": nid} for nid in ids],
-        "links": [{"a": f"{nid}/{d}", "b": f"{nid}/host", **local} for nid in ids for d in devices]
-        + [{"a": f"{nid}/host", "b": "fabric", **network} for nid in ids],
-    }
-    return Topology.from_spec(spec)
+    opts: dict[str, Any] = {("gpus" if kind == "gpu" else "cpu_slots"): slots_per_node, **dict(overrides or {})}
+    if nodes is not None:
+        opts["nodes"] = list(nodes)
+    try:
+        return Topology.from_ray_nodes(ray_nodes(), opts)
+    except TopologyError as exc:
+        raise PolicyGroupError(f"Ray cluster topology: {exc}") from exc
 
 
 def plan_placement(
@@ -74,7 +58,7 @@ def plan_placement(
     if slots_per_node is None:
         need = num_train if colocated else num_train + num_eval
         slots_per_node = max(1, math.ceil(need / max(1, n_nodes)))
-    topology = ray_topology(nodes, slots_per_node, kind)
+    topology = ray_topology(nodes, slots_per_node, kind, overrides=config.topology)
     cpus = max(config.train_num_cpus, config.eval_num_cpus, 0.01)
     if colocated:
         return place_colocated(topology, num_train, num_eval, cpus_per_worker=cpus, device_kind=kind)

@@ -129,6 +129,11 @@ class PolicyGroup:
         """What the last sync measured, step by step, next to the plan's prediction."""
         return self._sync.report
 
+    @property
+    def buffer_prefix(self) -> str:
+        """The /dev/shm name prefix of this group's node buffers (what a leak check looks for)."""
+        return f"rlfleet-{self._uid}"
+
     def process_id(self, policy: Policy) -> str:
         """The id a worker has in sync plans ("trainer-0", "rollout-3")."""
         return self._processes.pid(policy)
@@ -348,7 +353,16 @@ class PolicyGroup:
         self._members.push(policy_worker, role)
 
     def pop(self, role: PolicyRole) -> Policy:
+        """Take the role's last worker out (re-planned exactly as after a death; see `remove`)."""
         return self._members.pop(role)
+
+    def remove(self, policy: Policy, why: str = "removed") -> None:
+        """Take a rollout worker out of routing and the sync plan, as if it had died (for a worker
+        the caller knows is unfit, e.g. restarted with its initial weights); it is never written
+        to again, and `push` plus the init_* calls bring it back."""
+        if not any(p is policy for p in self.eval_list):
+            raise ValueError(f"remove: {self._roster.name(policy)} is not a rollout worker of this group")
+        self._members.drop(policy, why)
 
     def convert_train_to_eval(self, num: int) -> None:
         """Turn the last `num` trainers into rollout workers (at least one trainer stays)."""

@@ -19,10 +19,18 @@ from typing import Any
 
 import torch
 
+from rlfleet.policygroup import _probes
 from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._worker_comm import WorkerComm
 from rlfleet.policygroup._worker_parts import PartsReceiver
-from rlfleet.weightsync import Deadline, ServingLock, SyncTimeoutError, WeightEndpoint, WorkerWeights
+from rlfleet.weightsync import (
+    Deadline,
+    DiscardingConsumer,
+    ServingLock,
+    SyncTimeoutError,
+    WeightEndpoint,
+    WorkerWeights,
+)
 
 Timed = dict[str, Any]
 
@@ -67,6 +75,12 @@ class WeightCalls:
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
 
+    @property
+    def weights(self) -> WorkerWeights:
+        """This worker's weightsync state: the node buffer it writes (``node_writer``) and the
+        buffers versions land in (``consumers()``); the hook tests and fault injection use."""
+        return self._weights
+
     # ================================================================== the sync's steps (timed)
     def sync_publish(self, version: int, deadline_at: float, *_after: Any) -> Timed:
         """A node_buffer step's writer: this version into the node's buffer, once."""
@@ -89,6 +103,22 @@ class WeightCalls:
         """A node_buffer step's reader: this version out of the node's buffer `name`."""
         left = left_until(deadline_at, f"read node buffer {name}")
         return timed(lambda: self.stage_from_segment(name, version, timeout_s=left), "land")
+
+    # ================================================================== calibration probes
+    def probe_copy_terms(self) -> dict[str, float]:
+        """Host copy rate and per-tensor, per-bucket seconds of small syncs in this process."""
+        return _probes.copy_terms()
+
+    def probe_broadcast(self, group_id: str, src_rank: int, nbytes: int, version: int, timeout_s: float) -> float:
+        """One version of `nbytes` through the broadcast protocol in `group_id`; seconds here."""
+        layout, state = _probes.probe_layout(nbytes, self.config.weight_buffer.bucket_bytes)
+        deadline = Deadline(timeout_s)
+        start = time.perf_counter()
+        if self._comm.rank == src_rank:
+            self._comm.sender(group_id, layout).send(state, version, deadline)
+        else:
+            self._comm.receiver(group_id, layout, src_rank).receive(DiscardingConsumer(layout, version), deadline)
+        return time.perf_counter() - start
 
     # ================================================================== endpoints and node buffers
     def init_weight_buffer(
