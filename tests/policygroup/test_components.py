@@ -114,11 +114,11 @@ def _plan(strategy: str, **wb: Any) -> tuple[list[Any], list[Any], Processes, An
 def test_the_plan_is_placements_plan_sync_over_the_group_processes() -> None:
     train, evals, processes, plan = _plan("Double")
     ids = [processes.pid(p) for p in train + evals]
-    assert ids == ["trainer-0", "trainer-1", "rollout-0", "rollout-1", "rollout-2", "rollout-3"]
+    assert ids == ["t0", "t1", "r0", "r1", "r2", "r3"]
     expected = plan_sync(processes.sync_processes("Double"), plan.bucket_bytes, "Double", senders="one")
     assert [s.signature() for s in plan.steps] == [s.signature() for s in expected.steps]
     [broadcast] = [s for s in plan.steps if s.transport == "broadcast"]
-    assert broadcast.dst == ("rollout-2", "rollout-3")  # node C has no trainer: direct fan-out
+    assert broadcast.dst == ("r2", "r3")  # node C has no trainer: direct fan-out
     assert plan.topology_source.startswith("fallback")  # no Ray here: priced on the documented defaults
     seed = _plan("Double", planner="seed")[3]
     assert seed.name == "seed"
@@ -127,10 +127,10 @@ def test_the_plan_is_placements_plan_sync_over_the_group_processes() -> None:
 def test_sharded_rollout_workers_carry_their_node_share() -> None:
     *_, plan = _plan("Sharded")
     assert {p.id: p.shard for p in plan.rollouts} == {
-        "rollout-0": (0, 1),
-        "rollout-1": (0, 1),
-        "rollout-2": (0, 2),
-        "rollout-3": (1, 2),
+        "r0": (0, 1),
+        "r1": (0, 1),
+        "r2": (0, 2),
+        "r3": (1, 2),
     }
 
 
@@ -141,7 +141,7 @@ def test_ids_are_stable_and_a_new_role_gets_a_new_id() -> None:
     assert processes.pid(evals[3]) == first  # a death elsewhere renames nobody
     processes.roster.policy_list[PolicyRole.EVAL].remove(evals[3])
     processes.roster.policy_list[PolicyRole.TRAIN].append(evals[3])
-    assert processes.pid(evals[3]) == "trainer-2"
+    assert processes.pid(evals[3]) == "t2"
 
 
 def test_a_death_rebuilds_only_the_node_it_changed() -> None:
@@ -153,7 +153,7 @@ def test_a_death_rebuilds_only_the_node_it_changed() -> None:
     assert changed_nodes(plan, again) == {"C"}
     assert changed_nodes(plan, plan) == set()
     assert changed_nodes(None, plan) == {"A", "B", "C"}
-    assert again.diff(plan).processes_removed == ("rollout-3",)
+    assert again.diff(plan).processes_removed == ("r3",)
 
 
 def test_fanouts_that_cannot_run_are_refused_in_the_config() -> None:

@@ -135,7 +135,7 @@ class PolicyGroup:
         return f"rlfleet-{self._uid}"
 
     def process_id(self, policy: Policy) -> str:
-        """The id a worker has in sync plans ("trainer-0", "rollout-3")."""
+        """The id a worker has in sync plans ("t0", "r3")."""
         return self._processes.pid(policy)
 
     @property

@@ -1,8 +1,9 @@
 """The group's workers as rlfleet.placement `SyncProcess`es, and the `SyncPlan` placement makes.
 
 `Processes` finds each worker's node and device (one call per worker, once) and names it with a
-stable id ("trainer-0", "rollout-3": given at first sight, kept while the worker keeps its role,
-so a plan made after a death differs from the previous one only where the group changed).
+stable id ("t0" for a trainer, "r3" for a rollout worker: given at first sight in roster order,
+kept while the worker keeps its role, so a plan made after a death differs from the previous
+one only where the group changed).
 `plan_for` asks placement for the plan: `plan_sync` ("rlfleet", several senders by default) or
 `seed_sync_plan` ("seed", the seed's round-robin funnel), priced on the cluster's topology
 (`Topology.from_ray_nodes`, with the configured overrides) and validated. Nothing here plans a
@@ -33,7 +34,7 @@ class Processes:
         self.node_of: dict[Hashable, Any] = {}
         self.gpu_of: dict[Hashable, int] = {}  # -1: a CPU worker
         self.colocated = False
-        self._ids: dict[Hashable, str] = {}
+        self._ids: dict[Hashable, tuple[str, str]] = {}  # worker -> (role, id)
         self._counters = {role: itertools.count() for role in ("trainer", "rollout")}
 
     def locate(self, policies: Sequence[Policy]) -> None:
@@ -56,9 +57,9 @@ class Processes:
         for p in [*self.roster.train_list, *self.roster.eval_list, policy]:  # first sight: roster order
             role = "trainer" if self.roster.is_trainer(p) else "rollout"
             wid = self.roster.wid(p)
-            if not self._ids.get(wid, "").startswith(role):
-                self._ids[wid] = f"{role}-{next(self._counters[role])}"
-        return self._ids[self.roster.wid(policy)]
+            if self._ids.get(wid, ("", ""))[0] != role:
+                self._ids[wid] = (role, f"{role[0]}{next(self._counters[role])}")
+        return self._ids[self.roster.wid(policy)][1]
 
     def by_pid(self) -> dict[str, Policy]:
         return {self.pid(p): p for p in self.roster.train_list + self.roster.eval_list}
