@@ -274,17 +274,20 @@ def bench_sync(model_mib: int, reps: int) -> tuple[float, float, float]:
 
         # the seed's path, over the same actors and the same cross-node group; release our
         # buffers first (eval weights go back to private, writable storage)
-        [cross] = [s for s in shared._sync.steps if s.transport == "broadcast"]
+        plan = shared.sync_plan
+        assert plan is not None
+        [cross] = [s for s in plan.steps if s.transport == "broadcast"]
+        group_id, src_rank = shared.broadcast_group(cross)
+        receiver = shared.policy_of(cross.dst[0])
         shared.shutdown()
         buffers = {n: ray.remote(SeedSharedBuffer).options(**on(n)).remote() for n in (n0, n1)}
-        receiver = cross.dst[0]
 
         def seed_sync() -> float:
             ray.get(trainer.bump.remote(), timeout=600)
             start = time.perf_counter()
             put0 = trainer.seed_put_local.remote(buffers[n0])
-            send = trainer.seed_send.remote(cross.group_id)
-            put1 = receiver.seed_recv_and_put.remote(cross.group_id, cross.src_rank, buffers[n1])
+            send = trainer.seed_send.remote(group_id)
+            put1 = receiver.seed_recv_and_put.remote(group_id, src_rank, buffers[n1])
             ray.get([put0, send, put1], timeout=600)
             loads = [e.seed_load.remote(buffers[n]) for e, n in zip(evals, (n0, n0, n1, n1), strict=True)]
             ray.get(loads, timeout=600)

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from rlfleet.placement import CostModel, Placement, SyncPlan, SyncReport
+from rlfleet.placement import CostModel, Placement, SyncPlan, SyncReport, SyncStep
 from rlfleet.policygroup._batched import BatchedData
 from rlfleet.policygroup._calls import Calls, Policy, Roster, finished
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
@@ -137,6 +137,14 @@ class PolicyGroup:
     def process_id(self, policy: Policy) -> str:
         """The id a worker has in sync plans ("t0", "r3")."""
         return self._processes.pid(policy)
+
+    def policy_of(self, process_id: str) -> Policy:
+        """The worker a sync plan's process id names (KeyError if none of this group's)."""
+        return self._processes.by_pid()[process_id]
+
+    def broadcast_group(self, step: SyncStep) -> tuple[str, int]:
+        """(group id, the sender's world rank) of the communication group a broadcast step runs in."""
+        return self._sync.wiring.groups[(step.src, *step.dst)]
 
     @property
     def shared_weight_buffer_map(self) -> dict[Any, dict[str, Any]]:

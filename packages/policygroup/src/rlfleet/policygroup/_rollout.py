@@ -57,7 +57,8 @@ class Rollouts:
 
     # -- membership ---------------------------------------------------------------------
     def add(self, policy: Policy, node_of: Mapping[Hashable, Any]) -> None:
-        """Route to `policy` from now on (at version 0 until the group tells its real one)."""
+        """Route to `policy` once it applied the group's next version: a worker that joins (a
+        restarted one pushed back serves its initial weights) is drained until its first swap."""
         wid = self.roster.wid(policy)
         if wid in self.router:
             return
@@ -65,8 +66,8 @@ class Rollouts:
         if node is None and isinstance(self.router, NodeAffinityRouter):
             labels = {node_of.get(w): label for w, label in self._node_label.items()}
             node = labels.get(node_of.get(wid), node_of.get(wid))
-        # a restarted worker pushed back serves its initial weights: it must not look current
         self.router.add_worker(wid, node=node, version=0)
+        self.router.set_draining(wid, True)
 
     def remove(self, policy: Policy) -> None:
         with contextlib.suppress(UnknownWorkerError):
