@@ -139,7 +139,9 @@ class Bench:
         assert group.verify_eval_weight_checksums()
         return statistics.median(times), plan.predicted_seconds, matched, plan
 
-    def run_shape(self, name: str, cfg: Any, trainers: Sequence[str], rollouts: Sequence[str]) -> dict[str, Any]:
+    def run_shape(
+        self, name: str, cfg: Any, trainers: Sequence[str], rollouts: Sequence[str]
+    ) -> dict[str, Any]:
         group = self.group(cfg, trainers, rollouts)
         try:
             measured, predicted, matched, plan = self.measure(group)
@@ -194,7 +196,9 @@ def run(bench: Bench) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "plan_rank_agreement": claim(rank_agreement(shapes), None, "fraction of pairs"),
         "executed_vs_seed_plan": claim(seed["measured"] / ours["measured"], 1.0, "x"),
         "sync_growth_8_over_2_workers": claim(scaling[2]["measured"] / scaling[0]["measured"], None, "x"),
-        "predicted_growth_8_over_2_workers": claim(scaling[2]["predicted"] / scaling[0]["predicted"], None, "x"),
+        "predicted_growth_8_over_2_workers": claim(
+            scaling[2]["predicted"] / scaling[0]["predicted"], None, "x"
+        ),
     }
     return claims, rows
 
@@ -240,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['name']:<{width}}  {r['measured']:>9.4f}s  {r['predicted']:>9.4f}s  "
             f"{r['predicted'] / r['measured']:>8.2f}x  {r['matched']}"
         )
-    return _claims.report(claims, args.json, title=f"sync_plan claims (calibrated: {bench.cost.source[:160]})")
+    return _claims.report(
+        claims, args.json, title=f"sync_plan claims (calibrated: {bench.cost.source[:160]})"
+    )
 
 
 if __name__ == "__main__":

@@ -168,7 +168,11 @@ class FaultPolicy(BasePolicy):
             self._corrupt_segment(name, version)
         self._fire("stage")
         self._hook_consumers()
-        return int(self._recording(lambda: super(FaultPolicy, self).stage_from_segment(name, version, timeout_s=timeout_s)))
+        return int(
+            self._recording(
+                lambda: super(FaultPolicy, self).stage_from_segment(name, version, timeout_s=timeout_s)
+            )
+        )
 
     def _corrupt_segment(self, name: str, version: int) -> None:
         """Flip one byte of the first tensor of `version` in the node's shared buffer `name`
@@ -196,7 +200,9 @@ class FaultPolicy(BasePolicy):
         self._hook_consumers()
         return self._recording(lambda: super(FaultPolicy, self).recv_broadcast(parts, version, timeout_s))
 
-    def send_broadcast(self, group_id: str, version: int, bucket_bytes: int, timeout_s: float, **kw: Any) -> int:
+    def send_broadcast(
+        self, group_id: str, version: int, bucket_bytes: int, timeout_s: float, **kw: Any
+    ) -> int:
         self._fire("send")
         return super().send_broadcast(group_id, version, bucket_bytes, timeout_s, **kw)
 

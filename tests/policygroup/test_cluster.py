@@ -20,7 +20,6 @@ from pg_policies import OBS_DIM, MLPPolicy, make_model  # noqa: E402
 from testkit import node_ids  # noqa: E402
 
 from rlfleet.placement import build_transfer_info_for_disaggregated  # noqa: E402
-
 from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
     CommGroupError,
@@ -184,7 +183,8 @@ def test_seed_plan_runs_as_planned(actors: dict[str, Any]) -> None:
         seed = build_transfer_info_for_disaggregated(group.placement_info, "Shared")
         assert group.transfer_info == seed  # the view equals the seed planner's output
         train_sync_and_check(group, 5)
-        assert group.last_sync_report is not None and group.last_sync_report.matches(plan)
+        assert group.last_sync_report is not None
+        assert group.last_sync_report.matches(plan)
     finally:
         group.shutdown()
 
@@ -284,20 +284,24 @@ def test_sync_report_matches_the_plan_it_ran(actors: dict[str, Any]) -> None:
     group = make_group(actors, config("Shared", "CPUWeightBuffer"))
     try:
         plan = group.sync_plan
-        assert plan is not None and plan.name == "rlfleet"
+        assert plan is not None
+        assert plan.name == "rlfleet"
         assert plan.topology_source.startswith("topology: ray.nodes()")  # the cluster, not a placeholder
         ids = {group.process_id(p) for p in group.train_list + group.eval_list}
         assert {p.id for p in plan.processes} == ids
         group.train(None, seed=31)
         report = group.sync_weights()
-        assert report is not None and report.ok and report.matches(plan)
+        assert report is not None
+        assert report.ok
+        assert report.matches(plan)
         assert report is group.last_sync_report
         assert report.predicted_seconds == plan.predicted_seconds
         for step in report.steps:
             assert step.predicted_seconds == plan.steps[step.index].predicted_seconds
             assert step.measured_seconds > 0
         transports = {plan.steps[s.index].transport: s.phases for s in report.steps}
-        assert "wire" in transports["broadcast"] and "land" in transports["node_buffer"]
+        assert "wire" in transports["broadcast"]
+        assert "land" in transports["node_buffer"]
         assert f"v{group.weight_version} ok" in report.summary()
     finally:
         group.shutdown()
@@ -401,12 +405,12 @@ def test_comm_group_names_the_rank_that_did_not_join(actors: dict[str, Any]) -> 
 def test_zy_sharded_group_survives_a_dead_rollout_worker(actors: dict[str, Any]) -> None:
     remote = ray.remote(MLPPolicy)
     extra = [
-        remote.options(num_cpus=0, max_concurrency=16, resources={"node2": 1}).remote(config=config(), index=i)
+        remote.options(num_cpus=0, max_concurrency=16, resources={"node2": 1}).remote(
+            config=config(), index=i
+        )
         for i in (4, 5, 6)
     ]
-    group = PolicyGroup(
-        [actors["train0"], actors["train1"]], extra, config("Sharded", "ShardedWeightBuffer")
-    )
+    group = PolicyGroup([actors["train0"], actors["train1"]], extra, config("Sharded", "ShardedWeightBuffer"))
     try:
         group.init(TrainConfig(lr=1e-2))
         group.init_placement_info()

@@ -88,7 +88,9 @@ def test_one_deadline_bounds_every_step_of_a_sync() -> None:
         assert group.eval_weight_versions() == [0, 0, 0]
         assert [p.get_weight_checksum() for p in group.eval_list] == before
         report = group.last_sync_report
-        assert report is not None and not report.ok and "deadline" in str(report.error)
+        assert report is not None
+        assert not report.ok
+        assert "deadline" in str(report.error)
     finally:
         group.shutdown()
 
@@ -97,10 +99,13 @@ def test_local_sync_report_and_plan() -> None:
     group = local_group("Double", "WeightBuffer")
     try:
         plan = group.sync_plan
-        assert plan is not None and [s.transport for s in plan.steps] == ["node_buffer"]
+        assert plan is not None
+        assert [s.transport for s in plan.steps] == ["node_buffer"]
         assert plan.topology_source.startswith("no topology") or plan.topology_source.startswith("fallback")
         report = group.sync_weights()
-        assert report is not None and report.ok and report.matches(plan)
+        assert report is not None
+        assert report.ok
+        assert report.matches(plan)
         [step] = report.steps
         assert set(step.phases) >= {"pack", "land", "control"}
         info = group.transfer_info  # the seed's shape, a view of the plan

@@ -33,7 +33,10 @@ def ray_topology(
     Link rates come from `overrides` (``nic_bandwidth``, ``host_bandwidth``, ...), the node's
     accelerator profile, or placement's documented fallback; ``topology.source`` says which.
     """
-    opts: dict[str, Any] = {("gpus" if kind == "gpu" else "cpu_slots"): slots_per_node, **dict(overrides or {})}
+    opts: dict[str, Any] = {
+        ("gpus" if kind == "gpu" else "cpu_slots"): slots_per_node,
+        **dict(overrides or {}),
+    }
     if nodes is not None:
         opts["nodes"] = list(nodes)
     try:

@@ -63,7 +63,7 @@ def broadcast_rate(group: PolicyGroup) -> float | None:
             for m in members
         ]
         seconds.append(ray.get(refs, timeout=group.config.sync_timeout_s + 30)[0])
-    return PROBE_BYTES * max(1, remote) / statistics.median(seconds[1:])
+    return float(PROBE_BYTES * max(1, remote) / statistics.median(seconds[1:]))
 
 
 def prior(group: PolicyGroup) -> CostModel:
@@ -82,7 +82,8 @@ def prior(group: PolicyGroup) -> CostModel:
     if rate is not None:  # the protocol's rate as measured: efficiency is in it
         changes.update(inter_node_bytes_per_s=rate, intra_node_bytes_per_s=rate, protocol_efficiency=1.0)
     source = (
-        f"calibrate(): control round trip {rtt * 1e3:.3g} ms, memcpy {terms['memcpy_bytes_per_s'] / 1e9:.3g} GB/s, "
+        f"calibrate(): control round trip {rtt * 1e3:.3g} ms, "
+        f"memcpy {terms['memcpy_bytes_per_s'] / 1e9:.3g} GB/s, "
         f"{terms['per_tensor_s'] * 1e6:.3g} us/tensor, {terms['per_bucket_s'] * 1e6:.3g} us/bucket"
         + ("" if rate is None else f", broadcast {rate / 1e9:.3g} GB/s")
     )

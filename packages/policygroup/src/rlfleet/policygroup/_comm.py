@@ -8,7 +8,7 @@ call per actor (so one actor creates its groups in plan order, never concurrentl
 from __future__ import annotations
 
 import uuid
-from collections.abc import Hashable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -17,7 +17,7 @@ from rlfleet.placement import CommGroupPlan
 from rlfleet.policygroup._errors import CommGroupError, WorkerDiedError
 
 
-def _describe(plan: CommGroupPlan, rank: int, names: dict[Hashable, str]) -> str:
+def _describe(plan: CommGroupPlan, rank: int, names: Mapping[Any, str]) -> str:
     info = plan.ranks[rank]
     return f"rank {rank} ({names.get(info.actor_id, info.actor_id)}, node {str(info.node_id)[:12]})"
 
@@ -59,8 +59,8 @@ def local_host() -> str | None:
 
 def init_world(
     plan: CommGroupPlan,
-    actors: dict[Hashable, Any],
-    names: dict[Hashable, str],
+    actors: Mapping[Any, Any],
+    names: Mapping[Any, str],
     backend: str,
     timeout_s: float,
     extra_groups: Sequence[Any] = (),
@@ -102,8 +102,8 @@ def init_world(
 def create_groups(
     plan: CommGroupPlan,
     groups: Sequence[Any],
-    actors: dict[Hashable, Any],
-    names: dict[Hashable, str],
+    actors: Mapping[Any, Any],
+    names: Mapping[Any, str],
     backend: str,
     timeout_s: float,
     registered: bool = False,

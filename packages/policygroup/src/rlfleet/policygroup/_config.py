@@ -85,7 +85,7 @@ class WeightBufferConfig:
                 f"weight_buffer.fanout {self.fanout!r} does not run with buffer_strategy "
                 f"{self.buffer_strategy!r}: "
                 + (
-                    "every rollout worker of a node binds the node's one buffer, so one of them receives for it"
+                    "every rollout worker of a node binds the node's one buffer; one receives for it"
                     if shared
                     else "a rollout worker that relays copies has no node buffer to fill; use 'direct'"
                 )
@@ -156,7 +156,9 @@ class PolicyConfig:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {self.backend!r} is unknown; valid: gloo, nccl")
         if self.topology is not None and not isinstance(self.topology, dict):
-            raise ValueError(f"topology must be a dict of Topology.from_ray_nodes overrides, got {self.topology!r}")
+            raise ValueError(
+                f"topology must be a dict of Topology.from_ray_nodes overrides, got {self.topology!r}"
+            )
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model must be a rlfleet.placement CostModel, got {self.cost_model!r}")
 

@@ -92,7 +92,11 @@ class WeightSync:
         if self.wired is not plan:
             nodes = changed_nodes(self.wired, plan)
             if self.wired is not None:
-                logger.info("[PolicyGroup] re-planned: %s; rewiring nodes %s", plan.diff(self.wired).summary(), sorted(nodes))
+                logger.info(
+                    "[PolicyGroup] re-planned: %s; rewiring nodes %s",
+                    plan.diff(self.wired).summary(),
+                    sorted(nodes),
+                )
             self.wiring.wire_nodes(plan, self.layout, nodes)
             if plan.strategy == "Sharded" and nodes and self.wiring.world is not None:
                 self.wiring.form(plan, self.wiring.backend)  # gather groups are torch groups: a new world
@@ -130,7 +134,9 @@ class WeightSync:
         """The plan's communication groups on the actors (`init_comm_group`)."""
         plan = self.replan() if self.plan is None else self.plan
         if plan is None:
-            raise PolicyGroupError("init_comm_group: call init_placement_info() and init_weight_buffer() first")
+            raise PolicyGroupError(
+                "init_comm_group: call init_placement_info() and init_weight_buffer() first"
+            )
         self.wiring.form(plan, backend)
 
     # -- a run ----------------------------------------------------------------------------
@@ -153,7 +159,13 @@ class WeightSync:
             self.rollouts.drain(roster.eval_list)
         try:
             run = _sync_run.start(
-                plan, version, deadline_at, self.processes.by_pid(), self.calls.invoke, self.wiring.groups, self.wiring.names
+                plan,
+                version,
+                deadline_at,
+                self.processes.by_pid(),
+                self.calls.invoke,
+                self.wiring.groups,
+                self.wiring.names,
             )
             results = _sync_run.outcomes(run, self.calls, f"send_weights v{version}")
         except BaseException:
@@ -162,7 +174,9 @@ class WeightSync:
             raise
         failed = [(p, err) for p, (_, err) in results if err is not None]
         first = None if not failed else min(failed, key=lambda f: vagueness(f[1]))
-        self.report = _sync_run.report(run, results, None if first is None else f"{roster.name(first[0])}: {first[1]}")
+        self.report = _sync_run.report(
+            run, results, None if first is None else f"{roster.name(first[0])}: {first[1]}"
+        )
         if not failed:
             if in_place:
                 self.applied(version)
@@ -171,7 +185,12 @@ class WeightSync:
         return self._recover(version, failed, retry, start, deadline_at)
 
     def _recover(
-        self, version: int, failed: list[tuple[Policy, BaseException]], retry: bool, start: float, deadline_at: float
+        self,
+        version: int,
+        failed: list[tuple[Policy, BaseException]],
+        retry: bool,
+        start: float,
+        deadline_at: float,
     ) -> SyncOutcome:
         """After a failed run: a dead trainer raises; dead rollout workers are dropped and the
         survivors get the version once more (same deadline); otherwise the clearest error is raised."""
@@ -226,7 +245,9 @@ class WeightSync:
         if self.strategy == "Sharded" and self.plan is not None:
             by_pid = self.processes.by_pid()
             for node, gid in self.wiring.gather_groups.items():
-                mates = sorted((p for p in self.plan.rollouts if p.node == node), key=lambda p: p.shard or (0, 0))
+                mates = sorted(
+                    (p for p in self.plan.rollouts if p.node == node), key=lambda p: p.shard or (0, 0)
+                )
                 self._apply_together([by_pid[p.id] for p in mates if p.id in by_pid], version, gid)
         elif self.strategy != "None":
             for p in list(self.roster.eval_list):
@@ -251,4 +272,3 @@ class WeightSync:
                 self.rollouts.set_version(p, version)
         finally:
             self.rollouts.undrain(policies)
-

@@ -25,6 +25,7 @@ from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.weightsync import Layout
 
+
 class Processes:
     """Node, device and stable id of every worker; the seed's `placement_info` view."""
 
@@ -68,7 +69,10 @@ class Processes:
     def placement_info(self) -> dict[Any, dict[str, list[Policy]]]:
         """The seed's view: workers by node."""
         info: dict[Any, dict[str, list[Policy]]] = {}
-        for key, members in (("train_policies", self.roster.train_list), ("eval_policies", self.roster.eval_list)):
+        for key, members in (
+            ("train_policies", self.roster.train_list),
+            ("eval_policies", self.roster.eval_list),
+        ):
             for p in members:
                 info.setdefault(self.node(p), {"train_policies": [], "eval_policies": []})[key].append(p)
         return info

@@ -66,7 +66,7 @@ class Execution:
         wanted = list(step.after)
         if step.src in previous:
             wanted.append(previous[step.src])
-        refs = []
+        refs: list[Any] = []
         for s in dict.fromkeys(wanted):
             refs.extend(c.ref for c in self.by_step.get(s, []))
         return [r for r in refs if isinstance(r, ray.ObjectRef)]
@@ -97,7 +97,7 @@ def start(
     for step in plan.steps:
         deps = run.waits[step.index] = run.deps(step, previous)
         if step.transport in BROADCASTS:
-            gid, src_rank = _group(groups, step)
+            gid, _ = _group(groups, step)
             buckets = None if len(step.buckets) == every else list(step.buckets)
             ref = invoke(policies[step.src], "sync_send", gid, version, buckets, deadline_at, *deps)
             run.add(Call(policies[step.src], step.src, "send", ref, (step.index,)))
@@ -107,7 +107,9 @@ def start(
         elif step.transport == "node_buffer":
             name = buffers.get(step.node or "")
             if name is None:
-                raise PolicyGroupError(f"sync v{version}: no node buffer on node {step.node!r} (step {step.index})")
+                raise PolicyGroupError(
+                    f"sync v{version}: no node buffer on node {step.node!r} (step {step.index})"
+                )
             if plan.process(step.src).role == "trainer":
                 ref = invoke(policies[step.src], "sync_publish", version, deadline_at, *deps)
                 deps = [*deps, ref] if isinstance(ref, ray.ObjectRef) else deps
@@ -116,7 +118,10 @@ def start(
                 ref = invoke(policies[r], "sync_stage", name, version, deadline_at, *deps)
                 run.add(Call(policies[r], r, "stage", ref, (step.index,)))
         else:
-            raise PolicyGroupError(f"sync v{version}: step {step.index} uses transport {step.transport!r}, which policygroup does not run")
+            raise PolicyGroupError(
+                f"sync v{version}: step {step.index} uses transport {step.transport!r}, "
+                "which policygroup does not run"
+            )
         previous[step.src] = step.index
     return run
 
@@ -198,7 +203,9 @@ def _own(phases: Mapping[str, float]) -> float:
     return phases.get("pack", 0.0) + phases.get("land", 0.0)
 
 
-def _phases(step: SyncStep, calls: list[Call], timings: list[Mapping[str, Any]]) -> tuple[dict[str, float], float]:
+def _phases(
+    step: SyncStep, calls: list[Call], timings: list[Mapping[str, Any]]
+) -> tuple[dict[str, float], float]:
     phases: dict[str, float] = {}
     end = 0.0
     for call, t in zip(calls, timings, strict=True):

@@ -107,7 +107,16 @@ class Wiring:
             if p.id in specs and p.shard is not None:
                 specs[p.id].update(rank=p.shard[0], world_size=p.shard[1])
         ends = [
-            (by_pid[pid], self.calls.invoke(by_pid[pid], "init_weight_buffer", spec or None, strategy=plan.strategy, layout=dict(layout)))
+            (
+                by_pid[pid],
+                self.calls.invoke(
+                    by_pid[pid],
+                    "init_weight_buffer",
+                    spec or None,
+                    strategy=plan.strategy,
+                    layout=dict(layout),
+                ),
+            )
             for pid, spec in specs.items()
         ]
         results = self.calls.gather(ends, self.config.rpc_timeout_s, "init_weight_buffer")
@@ -141,7 +150,9 @@ class Wiring:
                     extra.append(CommGroup(gid, "sharded", tuple(rank[p.id] for p in mates), node))
                     self.gather_groups[node] = gid
         names = {pid: roster.name(by_pid[pid]) for pid in members}
-        _comm.init_world(world, {pid: by_pid[pid] for pid in members}, names, backend, self.config.group_timeout_s, extra)
+        _comm.init_world(
+            world, {pid: by_pid[pid] for pid in members}, names, backend, self.config.group_timeout_s, extra
+        )
         self.world, self._rank_of, self._made, self.groups = world, rank, {}, {}
         for members_, g in zip(plan_groups(plan), world.weight_transfer_groups, strict=True):
             self.groups[members_] = (g.group_id, rank[members_[0]])
@@ -158,7 +169,9 @@ class Wiring:
         for members in missing:
             unknown = [m for m in members if m not in self._rank_of]
             if unknown:
-                raise PolicyGroupError(f"{', '.join(unknown)} have no rank in the world group; call init_comm_group()")
+                raise PolicyGroupError(
+                    f"{', '.join(unknown)} have no rank in the world group; call init_comm_group()"
+                )
             ranks = tuple(self._rank_of[m] for m in members)
             gid = self._made.get(ranks)
             if gid is None:

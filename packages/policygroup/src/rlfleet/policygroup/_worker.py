@@ -3,7 +3,8 @@
 A user subclasses it and supplies the model (`build_model`), the rollout step (`rollout_step`)
 and the training step (`train_step`). The rest is delegated to small components, each with its
 own module: communication groups (`_worker_comm`), the calls of a weight sync and the
-weightsync endpoint versions arrive through (`_worker_sync`), device facts and profiling (`_device`), checkpoints
+weightsync endpoint versions arrive through (`_worker_sync`), device facts and profiling
+(`_device`), checkpoints
 (`_checkpoint`), offload (`_offload`) and NeMo's reshard calls (`_reshard`). It works the same
 as a local object and as a Ray actor.
 """

@@ -56,11 +56,11 @@ class TimedConsumer:
 
     def bucket_target(self, index: int) -> torch.Tensor | None:
         target = getattr(self.inner, "bucket_target", None)
-        return None if target is None else target(index)  # type: ignore[no-any-return]
+        return None if target is None else target(index)
 
     def tensor_target(self, name: str) -> torch.Tensor | None:
         target = getattr(self.inner, "tensor_target", None)
-        return None if target is None else target(name)  # type: ignore[no-any-return]
+        return None if target is None else target(name)
 
     def prepare_commit(self, version: int, deadline: Deadline) -> None:
         prepare = getattr(self.inner, "prepare_commit", None)

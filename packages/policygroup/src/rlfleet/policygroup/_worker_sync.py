@@ -69,11 +69,9 @@ class WeightCalls:
     _weights: WorkerWeights
     _restarted: bool
 
-    def _refuse_if_restarted(self) -> None: ...
-
-    def get_state_dict(self) -> dict[str, torch.Tensor]: ...
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+    _refuse_if_restarted: Callable[[], None]
+    get_state_dict: Callable[[], dict[str, torch.Tensor]]
+    load_state_dict: Callable[[Mapping[str, torch.Tensor]], None]
 
     @property
     def weights(self) -> WorkerWeights:
@@ -87,13 +85,17 @@ class WeightCalls:
         left = left_until(deadline_at, "publish into the node buffer")
         return timed(lambda: self.publish_shared(version, left), "pack")
 
-    def sync_send(self, group_id: str, version: int, buckets: Sequence[int] | None, deadline_at: float, *_after: Any) -> Timed:
+    def sync_send(
+        self, group_id: str, version: int, buckets: Sequence[int] | None, deadline_at: float, *_after: Any
+    ) -> Timed:
         """A broadcast step's sender: `buckets` (None: all) of this version to the group."""
         left = left_until(deadline_at, f"broadcast in {group_id}")
         size = self.config.weight_buffer.bucket_bytes
         return timed(lambda: self.send_broadcast(group_id, version, size, left, buckets=buckets), "wire")
 
-    def sync_receive(self, parts: Sequence[Mapping[str, Any]], version: int, deadline_at: float, *_after: Any) -> Timed:
+    def sync_receive(
+        self, parts: Sequence[Mapping[str, Any]], version: int, deadline_at: float, *_after: Any
+    ) -> Timed:
         """Every broadcast step this rollout worker receives: one part per sender (group id,
         sender's world rank, sender id, its buckets), assembled into one version."""
         left = left_until(deadline_at, "receive")
@@ -109,7 +111,9 @@ class WeightCalls:
         """Host copy rate and per-tensor, per-bucket seconds of small syncs in this process."""
         return _probes.copy_terms()
 
-    def probe_broadcast(self, group_id: str, src_rank: int, nbytes: int, version: int, timeout_s: float) -> float:
+    def probe_broadcast(
+        self, group_id: str, src_rank: int, nbytes: int, version: int, timeout_s: float
+    ) -> float:
         """One version of `nbytes` through the broadcast protocol in `group_id`; seconds here."""
         layout, state = _probes.probe_layout(nbytes, self.config.weight_buffer.bucket_bytes)
         deadline = Deadline(timeout_s)
@@ -117,7 +121,9 @@ class WeightCalls:
         if self._comm.rank == src_rank:
             self._comm.sender(group_id, layout).send(state, version, deadline)
         else:
-            self._comm.receiver(group_id, layout, src_rank).receive(DiscardingConsumer(layout, version), deadline)
+            self._comm.receiver(group_id, layout, src_rank).receive(
+                DiscardingConsumer(layout, version), deadline
+            )
         return time.perf_counter() - start
 
     # ================================================================== endpoints and node buffers
@@ -183,7 +189,9 @@ class WeightCalls:
         self._refuse_if_restarted()
         return self._weights.require_endpoint()
 
-    def stage_from_segment(self, name: str, version: int, *_after: Any, timeout_s: float | None = None) -> int:
+    def stage_from_segment(
+        self, name: str, version: int, *_after: Any, timeout_s: float | None = None
+    ) -> int:
         """Take `version` from this node's buffer `name` (`_after`: the call that fills it)."""
         timeout = self.config.sync_timeout_s if timeout_s is None else timeout_s
         return int(self._receiving().stage_from_node(name, version, timeout))
@@ -193,7 +201,11 @@ class WeightCalls:
         endpoint = self._receiving()
         receiver = PartsReceiver(
             [
-                (str(p["sender"]), self._comm.receiver(str(p["group"]), endpoint.layout, int(p["src_rank"])), p.get("buckets"))
+                (
+                    str(p["sender"]),
+                    self._comm.receiver(str(p["group"]), endpoint.layout, int(p["src_rank"])),
+                    p.get("buckets"),
+                )
                 for p in parts
             ]
         )
