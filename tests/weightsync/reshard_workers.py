@@ -537,7 +537,7 @@ def scenario_gpu(rank: int, world: int, port: int, transport: str) -> dict[str, 
         wire: Any = TorchP2PWire(dist.group.WORLD, device)
     else:
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
-        wire = NcclP2PWire.create(store, rank, world, device, 60.0)
+        wire = NcclP2PWire.create(store, rank, world, device=device, deadline=60.0)
     group = PeerGroup.world(wire, 1, 1)
     out: dict[str, Any] = {}
     for version in (1, 2):

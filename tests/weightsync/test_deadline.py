@@ -12,7 +12,6 @@ from rlfleet.weightsync import (
     SyncTimeoutError,
     Watchdog,
     armed_watchdogs,
-    stand_down,
     stand_down_armed_watchdogs,
 )
 
@@ -151,7 +150,7 @@ def test_stand_down_disarms_every_armed_watchdog() -> None:
     assert stand_down_armed_watchdogs() == 2
     assert all(d.stood_down for d in dogs[:2])
     assert not dogs[2].stood_down
-    assert stand_down() == 0
+    assert stand_down_armed_watchdogs() == 0
     assert not any(d.fired for d in dogs)
     assert hits == []
 

@@ -29,13 +29,16 @@ from rlfleet.weightsync import (
     pack_bucket,
     unpack_bucket_into,
 )
+from rlfleet.weightsync._layout import DENSE_BELOW
 
 
 def test_offsets_are_aligned_and_buckets_capped() -> None:
     sd = make_state(1)
     layout = layout_of(sd, 64 * 1024)
     for spec in layout.tensors:
-        assert spec.offset % ALIGNMENT == 0
+        assert spec.offset % spec.torch_dtype.itemsize == 0  # every typed view needs this
+        if spec.nbytes >= DENSE_BELOW:
+            assert spec.offset % ALIGNMENT == 0  # large tensors: where alignment matters
     for bucket in layout.buckets:
         assert bucket.nbytes % ALIGNMENT == 0
         if len(bucket.tensors) > 1:

@@ -14,12 +14,8 @@ import reshard_workers as rw
 import torch
 import weightsync_dist_workers as w
 
-from rlfleet.weightsync import (
-    MetadataError,
-    RankProgram,
-    ReshardMessage,
-    checksum,
-)
+from rlfleet.weightsync import MetadataError, RankProgram, checksum
+from rlfleet.weightsync._reshard import ReshardMessage
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.autograd.graph import increment_version
 
-__all__ = ["copy_tensors", "default_copy_threads"]
+__all__ = ["copy_pairs", "copy_tensors", "default_copy_threads"]
 
 #: Below this many bytes per thread a split costs more than it saves.
 MIN_BYTES_PER_THREAD = 16 * 1024 * 1024
@@ -148,3 +148,27 @@ def copy_tensors(
             first_error = first_error or exc
     if first_error is not None:
         raise first_error
+
+
+def copy_pairs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, threaded: bool = True) -> None:
+    """``dst.copy_(src)`` for every pair, without autograd, in as few calls as the devices allow.
+
+    CPU pairs are shared among threads (`copy_tensors`) when `threaded`, else copied by one
+    fused torch call (a bucket of small tensors, where threads would not pay); pairs on one
+    other device take one fused call; pairs across devices are copied one by one.
+    """
+    if not dsts:
+        return
+    with torch.no_grad():
+        if all(t.device.type == "cpu" for t in dsts) and all(t.device.type == "cpu" for t in srcs):
+            if threaded:
+                copy_tensors(dsts, srcs)
+            else:
+                torch._foreach_copy_(list(dsts), list(srcs))
+            return
+        device = dsts[0].device
+        if all(t.device == device for t in dsts) and all(t.device == device for t in srcs):
+            torch._foreach_copy_(list(dsts), list(srcs))
+            return
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src)

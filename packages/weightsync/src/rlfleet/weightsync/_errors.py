@@ -6,13 +6,19 @@ decide whether to retry. Whatever the error, the receiver's previous version sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class WeightSyncError(RuntimeError):
     """Base class: the sync did not complete and nothing new was applied."""
 
 
 class LayoutMismatchError(WeightSyncError):
-    """Sender and receiver disagree about a parameter (name, shape or dtype)."""
+    """Sender and receiver disagree about a parameter (name, shape or dtype).
+
+    `parameter` is the name of the first parameter that differs, as data (never parsed back
+    out of the message), or None when no single parameter is to blame.
+    """
 
     def __init__(self, message: str, parameter: str | None = None) -> None:
         super().__init__(message)
@@ -49,3 +55,11 @@ class PeerLostError(WeightSyncError):
 
 class VersionError(WeightSyncError):
     """A version arrived out of order (not newer than the applied one)."""
+
+
+class RendezvousTimeoutError(SyncTimeoutError):
+    """Some ranks did not join a group in time; `missing` names them."""
+
+    def __init__(self, message: str, missing: Sequence[int]) -> None:
+        super().__init__(message)
+        self.missing = list(missing)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store, TCPStore
 
 from rlfleet.weightsync._deadline import Backoff, Deadline
-from rlfleet.weightsync._errors import SyncTimeoutError
+from rlfleet.weightsync._errors import RendezvousTimeoutError
 
 __all__ = [
     "RendezvousTimeoutError",
@@ -39,14 +39,6 @@ __all__ = [
 ]
 
 DEFAULT_GROUP_TIMEOUT_S = 300.0
-
-
-class RendezvousTimeoutError(SyncTimeoutError):
-    """Some ranks did not join in time; `missing` names them."""
-
-    def __init__(self, message: str, missing: Sequence[int]) -> None:
-        super().__init__(message)
-        self.missing = list(missing)
 
 
 def _parse_tcp(init_method: str) -> tuple[str, int]:
