@@ -158,3 +158,26 @@ def test_stand_down_disarms_every_armed_watchdog() -> None:
 def test_watchdog_validates_timeout() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         Watchdog(0, name="zero")
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), 1e10, 1e300, 10**30])
+def test_huge_timeouts_are_very_long_and_never_overflow(seconds: float) -> None:
+    deadline = Deadline(seconds)
+    left = deadline.remaining()
+    assert left is None or left > 1e8
+    event = threading.Event()
+    event.set()
+    deadline.wait(event, "a set event")  # Event.wait(1e10) itself raises OverflowError
+    cond = threading.Condition()
+    with cond:
+        deadline.wait(cond, "a true predicate", lambda: True)
+    assert not deadline.child(seconds).expired
+    assert Deadline(5).child(seconds).remaining() <= 5  # type: ignore[operator]
+
+
+def test_leaving_ends_earlier_and_keeps_no_limit() -> None:
+    deadline = Deadline(10)
+    earlier = deadline.leaving(4)
+    assert earlier.remaining() <= 6  # type: ignore[operator]
+    assert Deadline(1).leaving(5).expired
+    assert Deadline(None).leaving(5).remaining() is None

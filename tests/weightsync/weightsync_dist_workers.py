@@ -35,7 +35,7 @@ def make_state(version: int, small: int = 120) -> dict[str, torch.Tensor]:
     sd["empty"] = torch.zeros(0, 4)
     sd["scalar"] = torch.tensor(3.5 + version)
     for i in range(small):
-        n = 1 + (i * 37) % 400
+        n = 1 + (i * 37) % 800  # four 64 KiB buckets with densely packed small tensors
         sd[f"layers.{i}.w"] = torch.randn(n, generator=g).to(torch.bfloat16 if i % 3 else torch.float32)
     # a non-contiguous source on the sender side (a transposed view)
     sd["transposed"] = torch.randn(96, 64, generator=g).t()
