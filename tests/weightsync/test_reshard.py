@@ -77,6 +77,48 @@ def test_program_round_trips_and_rejects_garbage() -> None:
         RankProgram.coerce(b"{nope")
 
 
+def _gen_program(transfers: list[list[Any]]) -> dict[str, Any]:
+    return {
+        "format": 1,
+        "role": "gen",
+        "rank": 0,
+        "train_world_size": 2,
+        "gen_world_size": 1,
+        "digest": "plan",
+        "tensors": [["w", [4, 3], "float32"], ["b", [3], "float32"]],
+        "transfers": [*transfers, [0, 0, "b", "b", None, 0, 0, 1, 12, "float32"]],
+    }
+
+
+def test_a_program_that_leaves_rows_uncovered_is_refused_and_nothing_commits() -> None:
+    from rlfleet.weightsync import DoubleBuffer, ReshardReceiver
+
+    half = [[0, 0, "w", "w", 0, 0, 0, 2, 24, "float32"]]  # rows 0..2 of 4: rows 2..4 never sent
+    with pytest.raises(MetadataError, match=r"\[2:4\] of 'w' \(4, 3\) along dim 0 is covered by no transfer"):
+        RankProgram.from_dict(_gen_program(half))
+    consumer = DoubleBuffer({"w": torch.zeros(4, 3), "b": torch.zeros(3)})
+    with pytest.raises(MetadataError, match="covered by no transfer"):
+        ReshardReceiver(_gen_program(half), [])
+    assert consumer.version == -1
+    nothing = _gen_program([])
+    nothing["transfers"] = nothing["transfers"][:0]
+    with pytest.raises(MetadataError, match="no transfer writes 'w'"):
+        RankProgram.from_dict(nothing)
+
+
+@pytest.mark.parametrize(
+    "transfers",
+    [
+        [[0, 0, "w", "w", 0, 0, 0, 2, 24, "float32"], [1, 0, "w", "w", 0, 0, 2, 2, 24, "float32"]],
+        [[0, 0, "w", "w", 1, 0, 0, 1, 16, "float32"], [1, 0, "w", "w", 1, 0, 1, 2, 32, "float32"]],
+        [[0, 0, "w", "w", None, 0, 0, 4, 48, "float32"]],
+    ],
+)
+def test_programs_that_cover_every_element_are_accepted(transfers: list[list[Any]]) -> None:
+    program = RankProgram.from_dict(_gen_program(transfers))
+    assert program.nbytes == 48 + 12
+
+
 # -- one world of 8 processes runs every case --------------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:

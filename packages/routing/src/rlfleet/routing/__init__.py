@@ -30,6 +30,8 @@ from rlfleet.routing._power_of_two import PowerOfTwoRouter
 from rlfleet.routing._round_robin import RoundRobinRouter
 
 __all__ = [
+    "ROLLOUT_MODES",
+    "ROUTER_TYPES",
     "ConsistentHashRouter",
     "DrainTimeoutError",
     "DuplicateWorkerError",
@@ -39,8 +41,6 @@ __all__ = [
     "NodeAffinityRouter",
     "NotInFlightError",
     "PowerOfTwoRouter",
-    "ROLLOUT_MODES",
-    "ROUTER_TYPES",
     "RoundRobinRouter",
     "Router",
     "RoutingError",
