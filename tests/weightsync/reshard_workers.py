@@ -24,15 +24,12 @@ import weightsync_dist_workers as w
 
 from rlfleet.weightsync import (
     DoubleBuffer,
-    IncompleteSyncError,
-    Layout,
     PeerGroup,
+    RecordingConsumer,
     ReshardReceiver,
     ReshardSender,
-    VersionError,
     checksum,
 )
-from rlfleet.weightsync._packing import bucket_starts, flat_views
 
 BUCKET = 8 * 1024
 DIRECT_MIN = 4 * 1024
@@ -289,55 +286,6 @@ def programs(
 
 
 # -- consumers ------------------------------------------------------------------------------------
-class TargetConsumer:
-    """Offers its staging as the landing zone (`BucketTarget`), copies on commit."""
-
-    def __init__(self, layout: Layout, live: dict[str, torch.Tensor]) -> None:
-        self._layout = layout
-        self.live = live
-        self.staging = torch.zeros(layout.padded_bytes, dtype=torch.uint8)
-        self._starts = bucket_starts(layout)
-        self._version = -1
-        self._pending: int | None = None
-        self._seen: set[int] = set()
-        self.landed_in_place = 0
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def begin(self, version: int) -> None:
-        if version <= self._version:
-            raise VersionError(f"version {version} is not newer than {self._version}")
-        self._pending, self._seen = version, set()
-
-    def bucket_target(self, index: int) -> torch.Tensor:
-        start = self._starts[index]
-        return self.staging[start : start + self._layout.buckets[index].nbytes]
-
-    def consume(self, index: int, data: torch.Tensor) -> None:
-        region = self.bucket_target(index)
-        if data.data_ptr() == region.data_ptr():
-            self.landed_in_place += 1
-        else:
-            region.copy_(data)
-        self._seen.add(index)
-
-    def commit(self, version: int) -> None:
-        if self._pending != version or len(self._seen) != len(self._layout.buckets):
-            raise IncompleteSyncError(f"commit {version} with {len(self._seen)} buckets")
-        for name, view in flat_views(self._layout, self.staging).items():
-            self.live[name].copy_(view)
-        self._version, self._pending = version, None
-
-    def abort(self, error: BaseException) -> None:
-        self._pending = None
-
-
 class SlowMapping(Mapping[str, torch.Tensor]):
     """A state dict whose `name` stalls (or kills the process) from its `after`-th read on."""
 
@@ -447,7 +395,10 @@ def run_case(
     receiver = ReshardReceiver(prog, groups, bucket_bytes=BUCKET, direct_min=DIRECT_MIN)
     live = local_state(gen_specs, full_pieces(gen_specs, 0), case.gen, g)
     layout = receiver.program.layout(BUCKET)
-    consumer: Any = TargetConsumer(layout, live) if g == 1 else DoubleBuffer(live, layout)
+    consumer: Any = DoubleBuffer(live, layout)
+    if g == 1:  # offers its staging as the landing zone (BucketTarget) and applies to its own weights
+        consumer = RecordingConsumer(layout, live, bucket_targets=True)
+        live = consumer.weights
     for label, version, fault in steps:
         before = checksum(live)
         target = consumer
@@ -464,7 +415,7 @@ def run_case(
         out[label] = result
     out["shard"] = encode(live)
     out["broken"] = receiver.broken
-    out["landed_in_place"] = getattr(consumer, "landed_in_place", None)
+    out["landed_in_place"] = len(getattr(consumer, "landed_buckets", ()))
     out["own_bytes"] = sum(t.numel() * t.element_size() for t in live.values())
     out["received_bytes"] = sum(t[8] for t in prog["transfers"])
     return out

@@ -28,7 +28,8 @@ class RecordingConsumer(BufferBase):
     - `weights`: name -> tensor of the applied version (zeros, or clones of `initial`).
     - `calls`: ``(method, argument)`` in order: ``("begin", v)``, ``("consume", index)``,
       ``("prepare_commit", v)``, ``("commit", v)``, ``("abort", "Type: message")``.
-    - `aborts`: the same abort lines; `landed`: tensors a transport wrote in place.
+    - `aborts`: the same abort lines; `landed`: tensors a transport wrote in place;
+      `landed_buckets`: buckets a transport wrote straight into the staging (this version).
     - ``bucket_targets=True`` offers the staging as `BucketTarget`; ``tensor_targets=True``
       offers each tensor's staging as `TensorTarget`.
     - Failures on request: `fail_on` (a bucket index whose `consume` raises), `fail_prepare`
@@ -56,6 +57,7 @@ class RecordingConsumer(BufferBase):
         self.bucket_targets = bucket_targets
         self.tensor_targets = tensor_targets
         self.landed: set[str] = set()
+        self.landed_buckets: set[int] = set()
         self.calls: list[tuple[str, Any]] = []
         self.aborts: list[str] = []
         self.fail_on: int | None = None
@@ -112,12 +114,15 @@ class RecordingConsumer(BufferBase):
     # -- BufferBase hooks ----------------------------------------------------------------------
     def _begin(self, version: int) -> None:
         self.landed = set()
+        self.landed_buckets = set()
 
     def _stage(self, index: int, data: torch.Tensor) -> None:
         if self.fail_on == index:
             raise RuntimeError(f"injected consumer failure at bucket {index}")
         region = self._region(index)
-        if data.data_ptr() != region.data_ptr():
+        if data.data_ptr() == region.data_ptr():
+            self.landed_buckets.add(index)
+        else:
             for spec in self._layout.buckets[index].tensors:
                 if spec.name not in self.landed:  # landed tensors are already in place
                     end = spec.offset + spec.nbytes
