@@ -261,13 +261,19 @@ def _staged(buffer: DirectBuffer | DoubleBuffer, version: int) -> None:
         buffer.consume(bucket.index, pack_bucket(layout, bucket.index, state, scratch).clone())
 
 
-@pytest.mark.parametrize("make", [DirectBuffer, DoubleBuffer])
-def test_prepare_takes_the_serving_lock_so_the_commit_cannot_fail(make: Callable[..., Any]) -> None:
+def _pending_v2(make: Callable[..., Any], commit_timeout_s: float) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A buffer that applied version 1 and holds every bucket of version 2; and its live tensors."""
     layout = w.layout_of(w.make_state(1), BUCKET)
     live = w.zeros_like_layout(layout)
-    buffer = make(live, layout, commit_timeout_s=0.05)
+    buffer = make(live, layout, commit_timeout_s=commit_timeout_s)
     feed(buffer, w.make_state(1), 1)
     _staged(buffer, 2)
+    return buffer, live
+
+
+@pytest.mark.parametrize("make", [DirectBuffer, DoubleBuffer])
+def test_prepare_takes_the_serving_lock_so_the_commit_cannot_fail(make: Callable[..., Any]) -> None:
+    buffer, live = _pending_v2(make, 0.05)
     with buffer.serving(), pytest.raises(SyncTimeoutError, match="in-flight requests"):
         buffer.prepare_commit(2, 5.0)  # a stuck request: refused before any vote
     assert buffer.version == 1
@@ -294,11 +300,7 @@ def test_prepare_takes_the_serving_lock_so_the_commit_cannot_fail(make: Callable
 
 @pytest.mark.parametrize("make", [DirectBuffer, DoubleBuffer])
 def test_abort_after_prepare_releases_the_lock_and_keeps_v(make: Callable[..., Any]) -> None:
-    layout = w.layout_of(w.make_state(1), BUCKET)
-    live = w.zeros_like_layout(layout)
-    buffer = make(live, layout, commit_timeout_s=1.0)
-    feed(buffer, w.make_state(1), 1)
-    _staged(buffer, 2)
+    buffer, live = _pending_v2(make, 1.0)
     buffer.prepare_commit(2)
     buffer.abort(RuntimeError("a rank voted no"))
     assert buffer.version == 1

@@ -84,6 +84,7 @@ class Assembly:
 
     def __init__(self, inner: BucketConsumer, shares: Mapping[str, Sequence[int]]) -> None:
         self.inner = inner
+        self.layout: Layout = inner.layout
         self.shares = _check_shares(inner.layout, shares)
         self._cond = threading.Condition()
         self._inner_lock = threading.RLock()  # every call into `inner`, one at a time
@@ -93,10 +94,6 @@ class Assembly:
         self._committed: set[str] = set()
         self._prepare_state = "no"  # "no" | "running" | "done"
         self._parts = {s: AssemblyPart(self, s) for s in self.shares}
-
-    @property
-    def layout(self) -> Layout:
-        return self.inner.layout
 
     @property
     def version(self) -> int:
@@ -302,10 +299,7 @@ class AssemblyPart:
         self.assembly = assembly
         self.sender = sender
         self.share = assembly.shares[sender]
-
-    @property
-    def layout(self) -> Layout:
-        return self.assembly.layout
+        self.layout: Layout = assembly.layout
 
     @property
     def version(self) -> int:
