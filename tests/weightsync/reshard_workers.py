@@ -7,12 +7,14 @@ independent oracle for the executor. Shards are cut with torch.chunk / torch.cat
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import pickle
 import signal
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -407,7 +409,8 @@ def run_case(
             bad["head"] = torch.zeros(3, dtype=torch.bfloat16) if "head" in bad else torch.zeros(1)
             target = DoubleBuffer(bad)
         deadline = 2.0 if fault.endswith(":sleep") else DEADLINE
-        result = outcome(lambda c=target, d=deadline: receiver.receive(c, d).extras)
+        with _stuck_request(consumer, fault == f"gen{g}:stuck"):
+            result = outcome(lambda c=target, d=deadline: receiver.receive(c, d).extras)
         expected = local_state(gen_specs, full_pieces(gen_specs, version), case.gen, g)
         result["exact"] = checksum(live) == checksum(expected)
         result["intact"] = checksum(live) == before
@@ -421,6 +424,31 @@ def run_case(
     return out
 
 
+@contextlib.contextmanager
+def _stuck_request(buffer: Any, stuck: bool) -> Iterator[None]:
+    """While the sync runs, a request holds `buffer`'s serving lock past its commit timeout."""
+    if not stuck:
+        yield
+        return
+    release, serving = threading.Event(), threading.Event()
+
+    def request() -> None:
+        with buffer.serving(DEADLINE):
+            serving.set()
+            release.wait(DEADLINE)
+
+    thread = threading.Thread(target=request)
+    timeout, buffer.commit_timeout_s = buffer.commit_timeout_s, 0.5
+    thread.start()
+    serving.wait(DEADLINE)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join(DEADLINE)
+        buffer.commit_timeout_s = timeout
+
+
 MAIN_STEPS = [
     ("v1", 1, ""),
     ("v2", 2, ""),
@@ -428,6 +456,7 @@ MAIN_STEPS = [
     ("sender_fails", 3, "train1:raise"),
     ("gen_layout", 3, "gen2:layout"),
     ("bad_extras", 3, "train0:extras"),
+    ("stuck_request", 3, "gen0:stuck"),
     ("v3", 3, ""),
 ]
 

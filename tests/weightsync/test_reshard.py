@@ -194,6 +194,22 @@ def test_sender_failure_mid_stream_aborts_on_all_and_keeps_the_group(runs: dict[
 
 
 @pytest.mark.timeout(200)
+def test_a_commit_that_cannot_happen_is_refused_before_the_vote(runs: dict[int, Any]) -> None:
+    gens = _gens(runs, "tp2dp2_to_tp4")
+    stuck = gens[4]["stuck_request"]  # generation rank 0: a request holds its serving lock
+    assert stuck["type"] == "SyncTimeoutError", stuck
+    assert "in-flight requests" in stuck["message"]
+    for g in gens.values():
+        assert not g["stuck_request"]["ok"]
+        assert g["stuck_request"]["intact"]  # every generation rank keeps version 2
+        assert g["stuck_request"]["applied"] == 2
+        assert g["broken"] is None
+    for t in _trains(runs, "tp2dp2_to_tp4").values():
+        assert t["stuck_request"]["type"] == "SyncAbortedError", t["stuck_request"]
+        assert "gen rank 0 could not prepare its commit" in t["stuck_request"]["message"]
+
+
+@pytest.mark.timeout(200)
 def test_generation_layout_mismatch_names_the_parameter(runs: dict[int, Any]) -> None:
     gens = _gens(runs, "tp2dp2_to_tp4")
     bad = gens[6]["gen_layout"]

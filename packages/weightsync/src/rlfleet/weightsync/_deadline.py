@@ -75,10 +75,6 @@ class Deadline:
         """Accept a Deadline (shared as is), a number of seconds, or None (no limit)."""
         return value if isinstance(value, Deadline) else cls(value)
 
-    @classmethod
-    def never(cls) -> Deadline:
-        return cls(None)
-
     def child(self, seconds: float | None) -> Deadline:
         """A deadline ``seconds`` from now, but never later than this one (for one sub-step)."""
         inner = Deadline(seconds)
