@@ -4,12 +4,10 @@ One thread copies at about a third of what the memory bus gives, and a worker pr
 runs torch with one intra-op thread; plain Python threads, each copying a contiguous share of
 the bytes, reach the bus (the copies below release the GIL). Plain CPU pairs (same dtype,
 contiguous, no conjugate/negative bit) are copied by the C library's ``memmove``, which
-streams large copies past the cache and was markedly faster than torch's ``copy_`` on the
-2-core dev box (`benchmarks/weightsync.py`'s memcpy bound, 1 GiB over two threads: about
-60 ms with it, over 100 ms with ``copy_`` in earlier runs). Autograd still sees
-the write (the destination's version counter is bumped, as ``copy_`` does). Used where one
-process writes a whole model (a node's shared buffer, once per version, and the buffers'
-copies into live tensors).
+streams large copies past the cache (`benchmarks/weightsync.py`'s memcpy bound measures what
+it reaches). Autograd still sees the write (the destination's version counter is bumped, as
+``copy_`` does). Used where one process writes a whole model (a node's shared buffer, once per
+version, and the buffers' copies into live tensors).
 """
 
 from __future__ import annotations
