@@ -167,11 +167,19 @@ def test_huge_timeouts_are_very_long_and_never_overflow(seconds: float) -> None:
     left = deadline.remaining()
     assert left is None or left > 1e8
     event = threading.Event()
-    event.set()
-    deadline.wait(event, "a set event")  # Event.wait(1e10) itself raises OverflowError
+    threading.Timer(0.05, event.set).start()
+    deadline.wait(event, "an event set soon")  # Event.wait(1e10) itself raises OverflowError
     cond = threading.Condition()
+    ready: list[bool] = []
+
+    def notify() -> None:
+        with cond:
+            ready.append(True)
+            cond.notify_all()
+
+    threading.Timer(0.05, notify).start()
     with cond:
-        deadline.wait(cond, "a true predicate", lambda: True)
+        deadline.wait(cond, "a predicate true soon", lambda: bool(ready))
     assert not deadline.child(seconds).expired
     assert Deadline(5).child(seconds).remaining() <= 5  # type: ignore[operator]
 
