@@ -117,10 +117,12 @@ def test_the_plan_is_placements_plan_sync_over_the_group_processes() -> None:
     train, evals, processes, plan = _plan("Double")
     ids = [processes.pid(p) for p in train + evals]
     assert ids == ["t0", "t1", "r0", "r1", "r2", "r3"]
-    expected = plan_sync(processes.sync_processes("Double"), plan.bucket_bytes, "Double", senders="one")
+    expected = plan_sync(processes.sync_processes("Double"), plan.bucket_bytes, "Double")
     assert [s.signature() for s in plan.steps] == [s.signature() for s in expected.steps]
-    [broadcast] = [s for s in plan.steps if s.transport == "broadcast"]
-    assert broadcast.dst == ("r2", "r3")  # node C has no trainer: direct fan-out
+    shares = [s for s in plan.steps if s.transport == "broadcast"]
+    assert [s.src for s in shares] == ["t0", "t1"]  # several senders: each trainer sends a share
+    assert all(s.dst == ("r2", "r3") for s in shares)  # node C has no trainer: direct fan-out
+    assert sorted(b for s in shares for b in s.buckets) == list(range(len(plan.bucket_bytes)))
     assert plan.topology_source.startswith("fallback")  # no Ray here: priced on the documented defaults
     seed = _plan("Double", planner="seed")[3]
     assert seed.name == "seed"

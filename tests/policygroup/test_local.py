@@ -101,7 +101,7 @@ def test_local_sync_report_and_plan() -> None:
         plan = group.sync_plan
         assert plan is not None
         assert [s.transport for s in plan.steps] == ["node_buffer"]
-        assert plan.topology_source.startswith("no topology") or plan.topology_source.startswith("fallback")
+        assert "fallback" in plan.topology_source  # no Ray here (or Ray without rates): documented defaults
         report = group.sync_weights()
         assert report is not None
         assert report.ok

@@ -49,7 +49,7 @@ class WeightBufferConfig:
     bucket_bytes: int = 64 * 1024 * 1024
     checksums: bool = False
     planner: str = "rlfleet"
-    senders: str = "one"  # TODO(after wt-wscore merge): "all"
+    senders: str = "all"
     fanout: str = "auto"
 
     def __post_init__(self) -> None:

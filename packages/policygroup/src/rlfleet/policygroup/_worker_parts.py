@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlfleet.weightsync import BucketConsumer, Deadline, Layout
+from rlfleet.weightsync import Assembly, BucketConsumer, Deadline, Layout
 
 
 class TimedConsumer:
@@ -102,8 +102,6 @@ class PartsReceiver:
         if len(self.parts) == 1:
             sender, receiver, buckets = self.parts[0]
             return self._one(sender, receiver, timed, buckets, deadline)
-        from rlfleet.weightsync import Assembly  # type: ignore[attr-defined]
-
         shares = {s: list(b) if b is not None else [] for s, _, b in self.parts}
         assembly = Assembly(timed, shares)
         errors: list[BaseException] = []
@@ -132,10 +130,7 @@ class PartsReceiver:
     ) -> int:
         start = time.time()
         try:
-            if buckets is None:
-                result = receiver.receive(consumer, deadline)
-            else:
-                result = receiver.receive(consumer, deadline, buckets=list(buckets))
+            result = receiver.receive(consumer, deadline, buckets=None if buckets is None else list(buckets))
         finally:
             self.spans[sender] = (start, time.time())
         return int(result if isinstance(result, int) else result.version)

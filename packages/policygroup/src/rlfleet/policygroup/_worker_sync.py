@@ -174,11 +174,7 @@ class WeightCalls:
         """Broadcast `buckets` (None: all) of this trainer's weights in group `group_id` (we are the root)."""
         layout = self._weights.layout_for(self.model, bucket_bytes)
         sender = self._comm.sender(group_id, layout)
-        share = None if buckets is None or len(buckets) == len(layout.buckets) else list(buckets)
-        if share is None:
-            sender.send(self.model.state_dict(), version, Deadline(timeout_s))
-        else:
-            sender.send(self.model.state_dict(), version, Deadline(timeout_s), buckets=share)  # type: ignore[call-arg]
+        sender.send(self.model.state_dict(), version, Deadline(timeout_s), buckets=buckets)
         return layout.padded_bytes
 
     def send_weights_ipc(self) -> dict[str, torch.Tensor]:
