@@ -240,7 +240,9 @@ def test_trainer_killed_mid_sync_receivers_abort_and_keep_their_weights(
         group.train(None, seed=2)
         before = eval_state(group)
         version = group.weight_version
-        cross = steps(group, "broadcast")[0]
+        shares = steps(group, "broadcast")
+        assert [s.src for s in shares] == ["t0", "t1"]  # several senders: a share of the buckets each
+        cross = shares[0]
         sender_pid = ray.get(policy(group, cross.src).get_pid.remote(), timeout=30)
         receiver = policy(group, cross.dst[0])
         # the receiver SIGKILLs the trainer after taking the first bucket: mid-stream
@@ -250,21 +252,57 @@ def test_trainer_killed_mid_sync_receivers_abort_and_keep_their_weights(
             group.sync_weights()
         seconds = time.monotonic() - start
         assert seconds < SYNC_TIMEOUT_S + 15.0, seconds
-        kind, message, took = ray.get(receiver.last_error.remote(), timeout=30)
-        assert kind in ("PeerLostError", "SyncTimeoutError"), (kind, message)
-        assert took < SYNC_TIMEOUT_S + 5.0
+        error = ray.get(receiver.last_error.remote(), timeout=30)
+        kind = "none (the two-phase commit's window, below)"
+        if error is not None:  # the sender died before the other sender's group committed
+            kind, message, took = error
+            assert kind in ("PeerLostError", "SyncTimeoutError"), (kind, message)
+            assert took < SYNC_TIMEOUT_S + 5.0
         assert group.weight_version == version
-        # what the dead trainer fed (its stream, and with Shared the node buffer it filled) is
-        # untouched: same version, same bytes; with Double/Shared nothing is applied anywhere
-        # (only staged), with "None" evals fed by the live trainer applied in place
-        fed = set(cross.dst)
-        if strategy == "Shared":
-            fed |= {r for s in steps(group, "node_buffer") if set(s.after) & {cross.index} for r in s.dst}
+        # one sender died mid-version: its receivers assembled nothing (the other sender's share
+        # is dropped with it) and no node buffer step ran after a failed broadcast, so every
+        # rollout worker holds the previous version, bit for bit. The one exception is the
+        # two-phase commit's window (weightsync `Assembly`): the sender died after the other
+        # sender's group had committed, every bucket of every share having arrived and been
+        # verified; then a receiver holds the new version, applied whole ("None" applies on
+        # arrival; "Double"/"Shared" only stage it). Never weights that disagree with the version.
+        new = (version + 1, str(ray.get(actors["train1"].get_weight_checksum.remote(), timeout=30)))
         after = eval_state(group)
-        for p, old, new in zip(group.eval_list, before, after, strict=True):
-            if group.process_id(p) in fed or strategy != "None":
-                assert new == old, group._roster.name(p)
+        for p, old, now in zip(group.eval_list, before, after, strict=True):
+            assert now == old or (strategy == "None" and now == new), (group._roster.name(p), old, now)
         report(f"trainer killed mid-sync ({strategy})", f"receivers: {kind}; weights unchanged", seconds)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["None", "Double", "Shared"])
+def test_one_of_two_senders_killed_mid_version_keeps_the_previous_version_everywhere(
+    actors: dict[str, Any], restore: None, strategy: str
+) -> None:
+    """Trainer t1 sends its share of the buckets in full; t0 dies as it starts its share. The
+    receivers cannot assemble the version: every rollout worker keeps the previous one."""
+    group = make_group(actors, strategy)
+    try:
+        group.train(None, seed=6)
+        before, version = eval_state(group), group.weight_version
+        shares = steps(group, "broadcast")
+        assert [s.src for s in shares] == ["t0", "t1"]
+        assert set(shares[0].buckets).isdisjoint(shares[1].buckets)
+        ray.get(actors["train0"].arm.remote("send", "die"), timeout=30)
+        start = time.monotonic()
+        with pytest.raises(TrainWorkerDiedError, match="trainer 0"):
+            group.sync_weights()
+        seconds = time.monotonic() - start
+        assert group.weight_version == version
+        assert eval_state(group) == before  # nothing applied, nothing torn, anywhere
+        for pid in shares[0].dst:
+            kind, message, _ = ray.get(policy(group, pid).last_error.remote(), timeout=30)
+            assert kind in ("PeerLostError", "SyncTimeoutError", "IncompleteSyncError"), (kind, message)
+        report(
+            f"one of two senders killed mid-version ({strategy})",
+            f"receivers: {kind}; previous version kept everywhere",
+            seconds,
+        )
     finally:
         group.shutdown()
 

@@ -145,9 +145,9 @@ def test_sync_disaggregated_every_strategy(actors: dict[str, Any], strategy: str
     try:
         nodes = {group.node_of(p) for p in group.eval_list}
         assert len(nodes) == 3
-        assert any(s.transport == "broadcast" for s in group.sync_plan.steps), (
-            "node2 has no trainer: weights cross nodes"
-        )
+        shares = [s for s in group.sync_plan.steps if s.transport == "broadcast"]  # node2 has no trainer
+        assert [s.src for s in shares] == ["t0", "t1"]  # several senders: each trainer sends a share
+        assert sorted(b for s in shares for b in s.buckets) == list(range(len(group.sync_plan.bucket_bytes)))
         for step in (1, 2):
             train_sync_and_check(group, step)
     finally:

@@ -4,13 +4,16 @@
 receiver per sender with that sender's share of the buckets. One part is received in the
 caller's thread; several run in threads of their own into a weightsync `Assembly`, so the
 version commits only when every bucket from every sender arrived and was verified, and a
-sender that fails leaves the previous version applied. `TimedConsumer` wraps the endpoint's
+sender that fails leaves the previous version applied (unless it failed after another
+sender's group committed: every bucket had arrived and was verified, so the version is
+committed and the receive succeeds, as weightsync's `Assembly` documents). `TimedConsumer` wraps the endpoint's
 consumer and records the receiver's own phases: begin (a node buffer's writer waits there for
 its readers), the buckets it consumed (land) and its commit.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlfleet.weightsync import Assembly, BucketConsumer, Deadline, Layout
+from rlfleet.weightsync import Assembly, BucketConsumer, Deadline, Layout, SyncAbortedError
 
 
 class TimedConsumer:
@@ -29,6 +32,7 @@ class TimedConsumer:
         self.begin_s = 0.0
         self.commit_s = 0.0
         self.consume_s: dict[int, float] = {}
+        self.committed: int | None = None  # the version `inner` committed
         self._lock = threading.Lock()
 
     @property
@@ -76,12 +80,15 @@ class TimedConsumer:
         start = time.perf_counter()
         try:
             self.inner.commit(version)
+            self.committed = version
         finally:
             self.commit_s += time.perf_counter() - start
 
     def abort(self, error: BaseException) -> None:
         self.inner.abort(error)
 
+
+_log = logging.getLogger(__name__)
 
 Part = tuple[str, Any, Sequence[int] | None]  # (sender id, its BroadcastReceiver, its buckets)
 
@@ -121,9 +128,13 @@ class PartsReceiver:
             t.start()
         for t in threads:
             t.join()  # each receive ends by the deadline
-        if errors:
-            raise errors[0]
-        return versions[0]
+        if errors and timed.committed is None:  # the cause first: a part failed because another did
+            raise min(errors, key=lambda e: isinstance(e, SyncAbortedError))
+        if errors:  # every bucket of every share had arrived and was verified, a group had committed
+            _log.warning(
+                "version %s committed although a sender failed after its vote: %s", timed.committed, errors
+            )
+        return versions[0] if versions else int(timed.committed or 0)
 
     def _one(
         self, sender: str, receiver: Any, consumer: Any, buckets: Sequence[int] | None, deadline: Deadline
