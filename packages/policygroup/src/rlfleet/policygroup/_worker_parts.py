@@ -6,9 +6,9 @@ caller's thread; several run in threads of their own into a weightsync `Assembly
 version commits only when every bucket from every sender arrived and was verified, and a
 sender that fails leaves the previous version applied (unless it failed after another
 sender's group committed: every bucket had arrived and was verified, so the version is
-committed and the receive succeeds, as weightsync's `Assembly` documents). `TimedConsumer` wraps the endpoint's
-consumer and records the receiver's own phases: begin (a node buffer's writer waits there for
-its readers), the buckets it consumed (land) and its commit.
+committed and the receive succeeds, as weightsync's `Assembly` documents). `TimedConsumer`
+wraps the endpoint's consumer and records the receiver's own phases: begin (a node buffer's
+writer waits there for its readers), the buckets it consumed (land) and its commit.
 """
 
 from __future__ import annotations
