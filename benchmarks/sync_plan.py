@@ -5,9 +5,10 @@ Run: hatch run python benchmarks/sync_plan.py [--quick] [--json PATH]
 
 Cluster: 4 raylets on this machine (node0..node3). Workers: trainer t0 on node0, t1 on node1,
 rollout workers on node2 and node3 (and, for the seed comparison, one beside t0 on node0). The
-cost model is calibrated once (`PolicyGroup.calibrate` on its own group: probes of the control
-round trip, host copies, per-tensor and per-bucket costs and the broadcast rate, then fitted to
-a few real syncs) and predicts every shape below; nothing is tuned per shape.
+cost model is calibrated once (`PolicyGroup.calibrate`: probes of the control round trip, host
+copies, per-tensor and per-bucket costs and the broadcast rate, then one fit over real syncs of
+two calibration groups, one sender and two) and predicts every shape below; nothing is tuned
+per shape.
 
 Shapes (each a `PolicyGroup` executing placement's `plan_sync`, timed by its `SyncReport`):
   double_1t_direct   Double, one trainer broadcasts to the 4 rollout workers
@@ -16,9 +17,10 @@ Shapes (each a `PolicyGroup` executing placement's `plan_sync`, timed by its `Sy
                      its node buffer for the other (node_buffer fan-out)
   shared_2t_relay    Shared, two trainers, halves, node_buffer fan-out
 Scaling: Double, one trainer, 2 -> 4 -> 8 rollout workers on node1..node3.
-Seed: the mixed placement (t0 and a rollout worker on node0, t1 on node1, rollout workers on
-node2 and node3), Double: placement's `seed_sync_plan` (the seed's round robin: t1 sends the
-whole model to node2, then to node3) against `plan_sync` (t0 and t1 each send half to both).
+Seed: the mixed placement (t0 and two rollout workers on node0, t1 on node1, two rollout
+workers each on node2 and node3), Double: placement's `seed_sync_plan` (the seed's round robin:
+t0 broadcasts to its node's rollout workers, t1 sends the whole model to node2, then to node3)
+against `plan_sync` (t0 writes its node buffer once; t0 and t1 each send half to node2 and node3).
 
 Claims:
   executed_matches_plan        1 when every measured SyncReport ran exactly its plan's steps (target 1)
@@ -104,7 +106,7 @@ class Bench:
     def start(self) -> None:
         """One actor per (name, node): trainers t0, t1; rollout workers r0..r8."""
         remote = self.ray.remote(self.policy)
-        places = {"t0": 0, "t1": 1, "rm": 0}
+        places = {"t0": 0, "t1": 1, "rm": 0, "rm2": 0}
         places.update({f"r{i}": 1 + i % 3 for i in range(8)})
         cfg = self.config("Double")
         for name, node in places.items():
@@ -152,11 +154,23 @@ class Bench:
         return {"name": name, "measured": measured, "predicted": predicted, "matched": matched}
 
     def calibrate(self) -> None:
-        group = self.group(self.config("Double"), ["t0", "t1"], ["rm", "r0", "r1", "r2"])
+        """One calibration for every shape: probes, then one fit over the syncs of two groups of
+        their own on this cluster, one sender and two (Double; node buffers beside trainers,
+        broadcasts to the other nodes)."""
+        one = self.group(self.config("Double"), ["t0"], ["rm", "r0", "r1", "r2"])
+        pairs = []
         try:
-            self.cost = group.calibrate(syncs=self.reps)
+            for _ in range(self.reps):
+                one.train(None)
+                report = one.sync_weights()
+                pairs.append((report, one.sync_plan))
         finally:
-            group.shutdown()
+            one.shutdown()
+        two = self.group(self.config("Double"), ["t0", "t1"], ["rm", "r0", "r1", "r2"])
+        try:
+            self.cost = two.calibrate(syncs=self.reps, extra=pairs)
+        finally:
+            two.shutdown()
         log(f"calibrated: {self.cost.source}")
 
 
@@ -183,7 +197,7 @@ def run(bench: Bench) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         bench.run_shape(f"scaling_{n}", bench.config("Double"), ["t0"], [f"r{i}" for i in range(n)])
         for n in (2, 4, 8)
     ]
-    mixed = ["rm", *rollouts]
+    mixed = ["rm", "rm2", *rollouts]
     ours = bench.run_shape("mixed_rlfleet", bench.config("Double"), ["t0", "t1"], mixed)
     seed = bench.run_shape("mixed_seed", bench.config("Double", planner="seed"), ["t0", "t1"], mixed)
     rows = [*shapes, *scaling, ours, seed]

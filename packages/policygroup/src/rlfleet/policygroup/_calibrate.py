@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import ray
 
-from rlfleet.placement import CostModel, SyncReport
+from rlfleet.placement import CostModel, SyncPlan, SyncReport
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup._submitter import is_remote
 
@@ -90,21 +91,29 @@ def prior(group: PolicyGroup) -> CostModel:
     return base.replace(source=source, **changes)
 
 
-def calibrate(group: PolicyGroup, syncs: int = 3) -> CostModel:
-    """The prior model fitted to `syncs` real syncs of the group (see the module docstring)."""
+def measure_syncs(group: PolicyGroup, syncs: int) -> list[tuple[SyncReport, SyncPlan]]:
+    """`syncs` real syncs of the group and the plan each ran (the first one after wiring, which
+    pays one-time costs, is left out)."""
+    out = []
+    for i in range(syncs + 1):
+        report = group.sync_weights()
+        plan = group.sync_plan
+        if i and report is not None and report.ok and plan is not None:
+            out.append((report, plan))
+    return out
+
+
+def calibrate(
+    group: PolicyGroup, syncs: int = 3, extra: Sequence[tuple[SyncReport, SyncPlan]] = ()
+) -> CostModel:
+    """The prior model fitted to `syncs` real syncs of the group and the `extra` measured syncs
+    (other plans on the same cluster; see the module docstring)."""
     if group.weight_buffer_strategy is None or group.sync_plan is None:
         raise PolicyGroupError("calibrate: wire the group first (init_placement_info, init_weight_buffer)")
     model = prior(group)
-    if syncs < 1 or not group.eval_list:
+    pairs = [*(measure_syncs(group, syncs) if syncs > 0 and group.eval_list else []), *extra]
+    if not pairs:
         return model
-    reports: list[SyncReport] = []
-    plans = []
-    for _ in range(syncs + 1):  # the first sync after wiring pays one-time costs: left out
-        report = group.sync_weights()
-        if report is not None and report.ok and group.sync_plan is not None:
-            reports.append(report)
-            plans.append(group.sync_plan)
-    if len(reports) < 2:
-        return model
-    fitted = model.fit(reports[1:], plans[1:])
-    return fitted.replace(source=f"{fitted.source} [prior: {model.source}]")
+    fitted = model.fit([r for r, _ in pairs], [p for _, p in pairs])
+    fit = fitted.source.split(";")[0].removeprefix("CostModel.fit: ")
+    return fitted.replace(source=f"{model.source}; then CostModel.fit: {fit}")

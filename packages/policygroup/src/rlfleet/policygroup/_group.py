@@ -254,14 +254,15 @@ class PolicyGroup:
             self.notify_update_weights()
             return report
 
-    def calibrate(self, syncs: int = 3) -> CostModel:
-        """Measure the cost model's terms on this cluster and fit them to `syncs` real syncs
-        (`PolicyGroup` keeps using its configured model; pass the result as
-        ``PolicyConfig.cost_model`` to price plans with it)."""
+    def calibrate(self, syncs: int = 3, extra: Sequence[tuple[SyncReport, SyncPlan]] = ()) -> CostModel:
+        """Measure the cost model's terms on this cluster and fit them to `syncs` real syncs of
+        this group, plus `extra` (report, plan) pairs measured on the same cluster (syncs of other
+        plans: one calibration for every shape). The group keeps its configured model; pass the
+        result as ``PolicyConfig.cost_model`` to price plans with it."""
         from rlfleet.policygroup._calibrate import calibrate
 
         with self._lock:
-            return calibrate(self, syncs)
+            return calibrate(self, syncs, extra)
 
     def wait_for_eval_weight_update(self, timeout: float = 60.0) -> bool:
         """Block (up to `timeout`) until every rollout worker has applied what it received."""
