@@ -1,13 +1,14 @@
 """`PolicyGroup.calibrate`: the cost model's terms measured on the cluster the group runs on.
 
 First the terms on their own: the Ray control round trip (a no-op call to every worker, timed by
-the driver), a trainer's host copy rate and its seconds per tensor and per bucket (small syncs
-through a real node buffer in its process, `_probes`), and the broadcast protocol's rate
-between a trainer and the rollout workers of one of the plan's broadcast groups (one probe
-version, discarded by the receivers). Those give the prior model; then a few real syncs of the
-group, each with its `SyncReport`, are fitted with `CostModel.fit` (non-negative least squares
-over every measured phase), which refines what the real syncs exercise. One calibration prices
-every plan on this cluster.
+the driver), a trainer's host copy rate and its seconds per tensor and per bucket (small
+syncs through a real node buffer in its process: weightsync's `measure_copy_terms`), and the
+broadcast protocol's rate between a trainer and the rollout workers of one of the plan's
+broadcast groups (one probe version, discarded by the receivers). Those give the prior model;
+then a few real syncs of the group (and any measured elsewhere on the cluster), each with its
+`SyncReport`, are fitted with `CostModel.fit` (non-negative least squares over every measured
+phase), which refines what the real syncs exercise. One calibration prices every plan on this
+cluster.
 """
 
 from __future__ import annotations

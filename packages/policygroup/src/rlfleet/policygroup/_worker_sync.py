@@ -19,17 +19,18 @@ from typing import Any
 
 import torch
 
-from rlfleet.policygroup import _probes
 from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._worker_comm import WorkerComm
-from rlfleet.policygroup._worker_parts import PartsReceiver
 from rlfleet.weightsync import (
     Deadline,
     DiscardingConsumer,
     ServingLock,
+    SharesReceiver,
     SyncTimeoutError,
     WeightEndpoint,
     WorkerWeights,
+    measure_copy_terms,
+    probe_layout,
 )
 
 Timed = dict[str, Any]
@@ -109,13 +110,13 @@ class WeightCalls:
     # ================================================================== calibration probes
     def probe_copy_terms(self) -> dict[str, float]:
         """Host copy rate and per-tensor, per-bucket seconds of small syncs in this process."""
-        return _probes.copy_terms()
+        return measure_copy_terms()
 
     def probe_broadcast(
         self, group_id: str, src_rank: int, nbytes: int, version: int, timeout_s: float
     ) -> float:
         """One version of `nbytes` through the broadcast protocol in `group_id`; seconds here."""
-        layout, state = _probes.probe_layout(nbytes, self.config.weight_buffer.bucket_bytes)
+        layout, state = probe_layout(nbytes, self.config.weight_buffer.bucket_bytes)
         deadline = Deadline(timeout_s)
         start = time.perf_counter()
         if self._comm.rank == src_rank:
@@ -195,7 +196,7 @@ class WeightCalls:
     def recv_broadcast(self, parts: Sequence[Mapping[str, Any]], version: int, timeout_s: float) -> Timed:
         """Receive `version` from every sender in `parts`, then stage it; per part what it measured."""
         endpoint = self._receiving()
-        receiver = PartsReceiver(
+        receiver = SharesReceiver(
             [
                 (
                     str(p["sender"]),

@@ -5,7 +5,8 @@ sorted by module, so this list is the map):
 
 - layout and packing: `Layout` and its buckets, dtypes, packing helpers, `adopt`;
 - consumers: the `BucketConsumer` protocol every transport drives, its landing extensions,
-  `Assembly` (one version from several senders) and `RecordingConsumer` (a test double);
+  `Assembly` (one version from several senders; `SharesReceiver` receives one that way,
+  `TimedConsumer` records where a receive spends its time) and `RecordingConsumer` (a test double);
 - weight buffers: the receive strategies "None" (`DirectBuffer`), "Double" (`DoubleBuffer`),
   "Sharded" (`ShardedBuffer`) and their `ServingLock`;
 - shared memory: the node buffer ("Shared": `SharedBuffer`) and the `ShmRing` transport;
@@ -17,7 +18,7 @@ sorted by module, so this list is the map):
   strategy names, and their adapter consumers (`DeferredCommit`, `DiscardingConsumer`);
 - engines: `LoadWeightsConsumer` (vLLM/SGLang `load_weights`), weight transforms, `feed` (a
   stream of (name, tensor) into any consumer), `full_tensors` (FSDP2, one parameter at a time);
-- deadlines and watchdogs; integrity checks; offload; errors.
+- deadlines and watchdogs; integrity checks; offload; cost probes (`measure_copy_terms`); errors.
 """
 
 from rlfleet.weightsync.__about__ import __version__
@@ -89,6 +90,7 @@ from rlfleet.weightsync._packing import (
     typed_view,
     unpack_bucket_into,
 )
+from rlfleet.weightsync._probes import measure_copy_terms, probe_layout
 from rlfleet.weightsync._protocol import BucketConsumer
 from rlfleet.weightsync._recording import RecordingConsumer
 from rlfleet.weightsync._rendezvous import (
@@ -117,6 +119,7 @@ from rlfleet.weightsync._reshard import (
 from rlfleet.weightsync._serving import ServingLock
 from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
+from rlfleet.weightsync._shares import SharesReceiver, TimedConsumer
 from rlfleet.weightsync._shm import (
     SharedSegment,
     cleanup_stale_segments,
@@ -201,6 +204,7 @@ __all__ = [
     "SharedBufferReader",
     "SharedEndpoint",
     "SharedSegment",
+    "SharesReceiver",
     "ShmRingReceiver",
     "ShmRingSender",
     "SlotsStillMappedError",
@@ -209,6 +213,7 @@ __all__ = [
     "SyncTimeoutError",
     "TensorSpec",
     "TensorTarget",
+    "TimedConsumer",
     "TorchP2PWire",
     "Transfer",
     "TransformChain",
@@ -256,6 +261,7 @@ __all__ = [
     "join_generation",
     "layout_entries",
     "live_tensors",
+    "measure_copy_terms",
     "module_part_buffer",
     "new_group_bounded",
     "offload_module",
@@ -263,6 +269,7 @@ __all__ = [
     "pack_all",
     "pack_bucket",
     "plan_transforms",
+    "probe_layout",
     "process_alive",
     "reload_module",
     "reload_optimizer",

@@ -1,12 +1,12 @@
 """One version received from several senders, and where a receive spends its time.
 
-`PartsReceiver` is the transport a rollout worker's endpoint receives through: one broadcast
-receiver per sender with that sender's share of the buckets. One part is received in the
-caller's thread; several run in threads of their own into a weightsync `Assembly`, so the
-version commits only when every bucket from every sender arrived and was verified, and a
+`SharesReceiver` is a transport receiver (``receive(consumer, deadline)``, what an endpoint
+takes) over one broadcast receiver per sender with that sender's share of the buckets. One part
+is received in the caller's thread; several run in threads of their own into an `Assembly`, so
+the version commits only when every bucket from every sender arrived and was verified, and a
 sender that fails leaves the previous version applied (unless it failed after another
 sender's group committed: every bucket had arrived and was verified, so the version is
-committed and the receive succeeds, as weightsync's `Assembly` documents). `TimedConsumer`
+committed and the receive succeeds, as `Assembly` documents). `TimedConsumer`
 wraps the endpoint's consumer and records the receiver's own phases: begin (a node buffer's
 writer waits there for its readers), the buckets it consumed (land) and its commit.
 """
@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from rlfleet.weightsync import Assembly, BucketConsumer, Deadline, Layout, SyncAbortedError
+__all__ = ["SharesReceiver", "TimedConsumer"]
+
+from rlfleet.weightsync._assembly import Assembly
+from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._errors import SyncAbortedError
+from rlfleet.weightsync._layout import Layout
+from rlfleet.weightsync._protocol import BucketConsumer
 
 
 class TimedConsumer:
@@ -93,7 +99,7 @@ _log = logging.getLogger(__name__)
 Part = tuple[str, Any, Sequence[int] | None]  # (sender id, its BroadcastReceiver, its buckets)
 
 
-class PartsReceiver:
+class SharesReceiver:
     """Receives one version from every sender of `parts` into one consumer (a transport)."""
 
     def __init__(self, parts: Sequence[Part]) -> None:

@@ -1,10 +1,11 @@
-"""Measurements a worker makes for `PolicyGroup.calibrate`, with weightsync's own machinery.
+"""Measurements of a sync's cost terms in one process, with weightsync's own machinery (a cost
+model's calibration, e.g. rlfleet.policygroup's `PolicyGroup.calibrate`, runs them on workers).
 
-`copy_terms` runs small syncs inside this process through a real node buffer (`SharedBuffer`
-publish, then `SharedBufferReader.copy_version` into a `DoubleBuffer`): a large model gives
-host-memory copy rates, many tiny tensors the cost of handling one tensor, many buckets the
-cost of one bucket. `broadcast_seconds` times one version of ``nbytes`` through the
-broadcast protocol in a group (the receivers discard it), the wire as syncs use it.
+`measure_copy_terms` runs small syncs inside this process through a real node buffer
+(`SharedBuffer` publish, then `SharedBufferReader.copy_version` into a `DoubleBuffer`): a large
+model gives host-memory copy rates, many tiny tensors the cost of handling one tensor, many
+buckets the cost of one bucket. `probe_layout` is a one-tensor model of a chosen size, for
+timing the broadcast protocol as syncs use it (its receivers discard it).
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from rlfleet.weightsync import (
-    Deadline,
-    DoubleBuffer,
-    Layout,
-    SharedBuffer,
-    SharedBufferReader,
-    copy_tensors,
-)
+from rlfleet.weightsync._buffers import DoubleBuffer
+from rlfleet.weightsync._copy import copy_tensors
+from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._layout import Layout
+from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
+
+__all__ = ["measure_copy_terms", "probe_layout"]
 
 MIB = 1 << 20
 
@@ -58,7 +58,7 @@ def _sync_seconds(state: dict[str, torch.Tensor], bucket_bytes: int, rounds: int
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
-def copy_terms(nbytes: int = 32 * MIB, tensors: int = 2000, rounds: int = 3) -> dict[str, float]:
+def measure_copy_terms(nbytes: int = 32 * MIB, tensors: int = 2000, rounds: int = 3) -> dict[str, float]:
     """Host copy rate, seconds per tensor and per bucket, from small syncs through a node buffer."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
