@@ -32,7 +32,6 @@ Claims:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import sys
@@ -41,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import _claims
+from _ray_cluster import local_cluster
 
 MiB = 1 << 20
 NODES = 4
@@ -217,37 +217,13 @@ def run(bench: Bench) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return claims, rows
 
 
-@contextlib.contextmanager
-def local_cluster() -> Any:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    with contextlib.suppress(FileNotFoundError):
-        os.remove("/tmp/ray/ray_current_cluster")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False, "resources": {"node0": 100}},
-    )
-    try:
-        for i in range(1, NODES):
-            cluster.add_node(num_cpus=1, resources={f"node{i}": 100})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove("/tmp/ray/ray_current_cluster")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _claims.arguments(__doc__.split("\n\n")[0]).parse_args(argv)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    with local_cluster():
+    with local_cluster(NODES):
         bench = Bench(args.quick)
         bench.start()
         claims, rows = run(bench)

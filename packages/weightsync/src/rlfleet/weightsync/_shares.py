@@ -30,20 +30,22 @@ from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._protocol import BucketConsumer
 
 
+def _landing(inner: BucketConsumer, hook: str, key: object) -> torch.Tensor | None:
+    """Where `inner` wants the transport to land `key` (its landing hook), if it has one."""
+    target = getattr(inner, hook, None)
+    return None if target is None else target(key)  # type: ignore[no-any-return]
+
+
 class TimedConsumer:
     """A `BucketConsumer` around `inner` that records the seconds spent in each of its calls."""
 
     def __init__(self, inner: BucketConsumer) -> None:
         self.inner = inner
-        self.begin_s = 0.0
-        self.commit_s = 0.0
-        self.consume_s: dict[int, float] = {}
+        self.layout: Layout = inner.layout
+        self.begin_s = self.commit_s = 0.0
+        self.consume_s: dict[int, float] = {}  # bucket -> seconds in its consume
         self.committed: int | None = None  # the version `inner` committed
         self._lock = threading.Lock()
-
-    @property
-    def layout(self) -> Layout:
-        return self.inner.layout
 
     @property
     def version(self) -> int:
@@ -65,12 +67,10 @@ class TimedConsumer:
                 self.consume_s[index] = self.consume_s.get(index, 0.0) + time.perf_counter() - start
 
     def bucket_target(self, index: int) -> torch.Tensor | None:
-        target = getattr(self.inner, "bucket_target", None)
-        return None if target is None else target(index)
+        return _landing(self.inner, "bucket_target", index)
 
     def tensor_target(self, name: str) -> torch.Tensor | None:
-        target = getattr(self.inner, "tensor_target", None)
-        return None if target is None else target(name)
+        return _landing(self.inner, "tensor_target", name)
 
     def prepare_commit(self, version: int, deadline: Deadline) -> None:
         prepare = getattr(self.inner, "prepare_commit", None)
