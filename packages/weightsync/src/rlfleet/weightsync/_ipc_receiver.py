@@ -8,9 +8,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
+from rlfleet.weightsync._control_block import INT64_MAX, Every
 from rlfleet.weightsync._cupy import import_cupy
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import (
@@ -35,7 +35,6 @@ from rlfleet.weightsync._ipc_control import (
     G_VERSION,
     G_WRITER_PID,
     G_WRITER_START,
-    INT64_MAX,
     NUM_SLOTS,
     R_ACK,
     R_ATTACHED,
@@ -53,11 +52,7 @@ from rlfleet.weightsync._ipc_control import (
     S_NBYTES,
     S_SEQ,
     S_SESSION,
-    SLOT_BASE,
-    ControlBlock,
-    Every,
-    check_header,
-    control_words,
+    ChannelBlock,
     decode_meta,
 )
 from rlfleet.weightsync._ipc_slots import CudaOpened, HostOpened
@@ -85,7 +80,7 @@ class CudaIpcReceiver:
     def __init__(
         self,
         segment: SharedSegment,
-        cb: ControlBlock,
+        cb: ChannelBlock,
         index: int,
         slots: CudaOpened | HostOpened,
         sender_layout: Layout,
@@ -108,15 +103,13 @@ class CudaIpcReceiver:
     @classmethod
     def attach(cls, name: str, index: int, device: str | torch.device | None = None) -> CudaIpcReceiver:
         """Join channel `name` as reader `index`: open the slot handles once."""
-        segment = SharedSegment.attach(name)
+        segment = SharedSegment.attach(name, map_whole=False)
         try:
-            first = np.frombuffer(segment.buffer, dtype=np.int64, count=SLOT_BASE).copy()
-            num_readers, meta_offset, meta_len = check_header(first, name, segment.size)
+            cb, raw_meta = ChannelBlock.of(segment)
+            num_readers = cb.num_readers
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_readers:
                 raise ValueError(f"reader index {index!r} out of range: channel {name!r} has {num_readers}")
-            meta = decode_meta(bytes(segment.buffer[meta_offset : meta_offset + meta_len]))
-            words = np.frombuffer(segment.buffer, dtype=np.int64, count=control_words(num_readers))
-            cb = ControlBlock(words, num_readers)
+            meta = decode_meta(raw_meta)
             holder = cb.get(cb.reader(index, R_PID))
             me, my_start = process_identity()
             if cb.get(cb.reader(index, R_ATTACHED)) and holder != me and cb.reader_alive(index):
@@ -192,6 +185,8 @@ class CudaIpcReceiver:
         """Receive the next version into `consumer`; returns it once committed on every reader."""
         deadline = Deadline.coerce(deadline)
         cb, me = self._cb, self.index
+        if self._segment.closed:
+            raise WeightSyncError(f"IPC channel {self.name}: reader {me} was closed")
         session = self._enter(deadline)
         version, base, nbuckets = cb.get(G_VERSION), cb.get(G_BASE), cb.get(G_NBUCKETS)
         began = False
@@ -303,7 +298,7 @@ class CudaIpcReceiver:
         cb.set(cb.reader(self.index, R_READING), 0)
         cb.set(cb.reader(self.index, R_ATTACHED), 0)
         cb.set(cb.reader(self.index, R_PID), 0)
-        cb.h = np.zeros(1, dtype=np.int64)
+        cb.detach()
         self._segment.close()
 
     def __enter__(self) -> CudaIpcReceiver:
@@ -314,7 +309,7 @@ class CudaIpcReceiver:
 
 
 def _open_slots(
-    cb: ControlBlock,
+    cb: ChannelBlock,
     meta: dict[str, Any],
     name: str,
     device: str | torch.device | None,

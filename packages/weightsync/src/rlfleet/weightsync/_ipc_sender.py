@@ -8,33 +8,23 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-import numpy as np
 import torch
 
+from rlfleet.weightsync._control_block import Every, require_int_in
 from rlfleet.weightsync._cupy import import_cupy
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import PeerLostError, SlotsStillMappedError, SyncAbortedError, WeightSyncError
 from rlfleet.weightsync._integrity import bucket_checksum
 from rlfleet.weightsync._ipc_control import (
-    FORMAT,
     G_ABORT,
     G_BASE,
     G_CHECKSUMS,
     G_CLOSED,
     G_COMMIT,
-    G_FORMAT,
-    G_MAGIC,
-    G_META_LEN,
-    G_META_OFFSET,
     G_NBUCKETS,
-    G_READERS,
     G_READY,
     G_SESSION,
-    G_SLOT_BYTES,
     G_VERSION,
-    G_WRITER_PID,
-    G_WRITER_START,
-    MAGIC,
     MAX_READERS,
     NUM_SLOTS,
     R_ACK,
@@ -49,14 +39,12 @@ from rlfleet.weightsync._ipc_control import (
     S_NBYTES,
     S_SEQ,
     S_SESSION,
-    ControlBlock,
-    Every,
-    control_words,
+    ChannelBlock,
 )
 from rlfleet.weightsync._ipc_slots import CudaSlots, HostSlots
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import pack_bucket
-from rlfleet.weightsync._shm import SharedSegment, memory_fence, page_align, process_identity
+from rlfleet.weightsync._shm import memory_fence
 
 __all__ = ["DETACH_WAIT_S", "CudaIpcSender"]
 
@@ -87,12 +75,7 @@ class CudaIpcSender:
         backend: Backend = "cuda",
         detach_timeout_s: float = DETACH_WAIT_S,
     ) -> None:
-        if (
-            isinstance(num_readers, bool)
-            or not isinstance(num_readers, int)
-            or not 1 <= num_readers <= MAX_READERS
-        ):
-            raise ValueError(f"num_readers must be an int in [1, {MAX_READERS}], got {num_readers!r}")
+        require_int_in("num_readers", num_readers, 1, MAX_READERS)
         if not detach_timeout_s >= 0:
             raise ValueError(f"detach_timeout_s must be >= 0, got {detach_timeout_s!r}")
         self.layout = layout
@@ -125,7 +108,7 @@ class CudaIpcSender:
             separators=(",", ":"),
         ).encode()
         try:
-            self._segment, self._cb = _control_segment(meta, num_readers, slot_bytes, checksums)
+            self._segment, self._cb = ChannelBlock.create(meta, num_readers, slot_bytes, checksums)
         except BaseException:
             self._slots.close()
             raise
@@ -180,7 +163,7 @@ class CudaIpcSender:
         """Send `version`; returns the bytes moved once every reader committed it."""
         deadline = Deadline.coerce(deadline)
         cb = self._cb
-        if cb.get(G_CLOSED):
+        if self._segment.closed or cb.get(G_CLOSED):
             raise WeightSyncError(f"IPC channel {self.name} is closed")
         if isinstance(version, bool) or not isinstance(version, int) or not -(1 << 63) <= version < 1 << 63:
             raise ValueError(f"version must be an int64, got {version!r}")
@@ -308,7 +291,7 @@ class CudaIpcSender:
         cb.set(G_CLOSED, 1)
         still = self._wait_detached(self.detach_timeout_s)
         pids = {i: cb.get(cb.reader(i, R_PID)) for i in still}
-        cb.h = np.zeros(1, dtype=np.int64)
+        cb.detach()
         self._segment.close()
         self._segment.unlink()
         if not still:
@@ -347,30 +330,3 @@ class CudaIpcSender:
 
 def _text(what: Callable[[], str] | str) -> str:
     return what if isinstance(what, str) else what()
-
-
-def _control_segment(
-    meta: bytes, num_readers: int, slot_bytes: int, checksums: bool
-) -> tuple[SharedSegment, ControlBlock]:
-    """The channel's control block: global words written, magic last (a reader checks it first)."""
-    words = control_words(num_readers)
-    meta_offset = (words * 8 + 63) // 64 * 64
-    segment = SharedSegment.create(page_align(meta_offset + len(meta)), prefix="rlfleet-ipc")
-    buf = segment.buffer
-    buf[meta_offset : meta_offset + len(meta)] = meta
-    cb = ControlBlock(np.frombuffer(buf, dtype=np.int64, count=words), num_readers)
-    pid, start = process_identity()
-    for word, value in (
-        (G_FORMAT, FORMAT),
-        (G_WRITER_PID, pid),
-        (G_WRITER_START, start),
-        (G_READERS, num_readers),
-        (G_SLOT_BYTES, slot_bytes),
-        (G_META_LEN, len(meta)),
-        (G_META_OFFSET, meta_offset),
-        (G_CHECKSUMS, int(checksums)),
-    ):
-        cb.set(word, value)
-    memory_fence()
-    cb.set(G_MAGIC, MAGIC)
-    return segment, cb
