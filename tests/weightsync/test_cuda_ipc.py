@@ -14,7 +14,14 @@ import torch
 import weightsync_dist_workers as w
 from ipc_workers import scenario_ipc_leak, scenario_ipc_settle, scenario_ipc_straggler
 
-from rlfleet.weightsync import CudaIpcReceiver, CudaIpcSender, MetadataError, checksum
+from rlfleet.weightsync import (
+    CudaIpcReceiver,
+    CudaIpcSender,
+    MetadataError,
+    SharedBuffer,
+    ShmRingSender,
+    checksum,
+)
 from rlfleet.weightsync._cuda_ipc import IPC, ChannelBlock, _decode_meta
 from rlfleet.weightsync._ipc_control import (
     G_META_OFFSET,
@@ -105,6 +112,20 @@ def test_channel_header_describes_its_block_and_bad_headers_are_refused() -> Non
     finally:
         segment.close()
         segment.unlink()
+
+
+@pytest.mark.parametrize("num_readers", [0, True, 2.0, 10**6])
+def test_every_channel_refuses_a_bad_reader_count_alike(num_readers: Any) -> None:
+    """IPC, ShmRing and SharedBuffer check a reader count the same way, before making anything."""
+    layout = w.layout_of(w.make_state(0))
+    makers = (
+        lambda: CudaIpcSender(layout, num_readers, backend="host"),
+        lambda: ShmRingSender(layout, num_readers),
+        lambda: SharedBuffer(layout, num_readers),
+    )
+    for make in makers:
+        with pytest.raises(ValueError, match=r"num_readers must be an int in \[1, \d+\]"):
+            make()
 
 
 @pytest.fixture(scope="module")
