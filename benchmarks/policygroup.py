@@ -21,14 +21,14 @@ sync_speedup_vs_seed
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
 import time
 from typing import Any
+
+from _claims import arguments, claim, report
 
 MiB = 1024 * 1024
 
@@ -37,18 +37,10 @@ def log(msg: str) -> None:
     print(f"[policygroup bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def claim(value: float, target: float | None, unit: str) -> dict[str, Any]:
-    return {
-        "value": round(value, 4),
-        "target": target,
-        "unit": unit,
-        "ok": True if target is None else bool(value >= target),
-    }
-
-
-# ------------------------------------------------------------------ no-op eval actor (no torch)
+# ------------------------------------------------------------------ no-op rollout actor (no torch)
 class NoopEval:
-    """Answers both the seed's calls and ours; imports nothing, so 16 actors start quickly."""
+    """Answers both the seed's calls (its `_rollout_async`, kept here as the baseline) and ours;
+    imports nothing, so 16 actors start quickly."""
 
     def __init__(self) -> None:
         self.n = 0
@@ -159,13 +151,15 @@ def make_bench_policy(model_mib: int) -> Any:
             state = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
             return int(ray.get(buffer.put.remote(state), timeout=600))
 
+        def _group_and_rank(self, group_id: str, rank: int) -> tuple[Any, int]:
+            """The weight-transfer group and `rank`'s place in it."""
+            return self._comm.group(group_id), self._comm.group_ranks()[group_id].index(rank)
+
         def seed_send(self, group_id: str) -> None:
-            group = self._groups[group_id]
-            params = list(self.model.parameters())
+            group, root = self._group_and_rank(group_id, self._comm.rank)
             by_dtype: dict[Any, list[torch.Tensor]] = {}
-            for p in params:
+            for p in self.model.parameters():
                 by_dtype.setdefault(p.dtype, []).append(p)
-            root = self._group_ranks[group_id].index(self._rank)
             works = []
             for tensors in by_dtype.values():
                 flat = nn.utils.parameters_to_vector(tensors).detach()
@@ -176,8 +170,7 @@ def make_bench_policy(model_mib: int) -> Any:
                 work.wait()
 
         def seed_recv_and_put(self, group_id: str, src_rank: int, buffer: Any) -> int:
-            group = self._groups[group_id]
-            root = self._group_ranks[group_id].index(src_rank)
+            group, root = self._group_and_rank(group_id, src_rank)
             by_dtype: dict[Any, list[tuple[str, torch.Tensor]]] = {}
             for name, p in self.model.named_parameters():
                 by_dtype.setdefault(p.dtype, []).append((name, p))
@@ -281,10 +274,10 @@ def bench_sync(model_mib: int, reps: int) -> tuple[float, float, float]:
 
         # the seed's path, over the same actors and the same cross-node group; release our
         # buffers first (eval weights go back to private, writable storage)
-        [cross] = shared._plan.cross
+        [cross] = [s for s in shared._sync.steps if s.transport == "broadcast"]
         shared.shutdown()
         buffers = {n: ray.remote(SeedSharedBuffer).options(**on(n)).remote() for n in (n0, n1)}
-        receiver = cross.receivers[0]
+        receiver = cross.dst[0]
 
         def seed_sync() -> float:
             ray.get(trainer.bump.remote(), timeout=600)
@@ -312,10 +305,7 @@ def bench_sync(model_mib: int, reps: int) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized run")
-    parser.add_argument("--json", help="write the claims here")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__.split("\n\n")[0]).parse_args(argv)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
@@ -360,13 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     width = max(len(r[0]) for r in rows)
-    print(f"\n{'claim':<{width}}  {'seed':>14}  {'ours':>14}  {'ratio':>8}")
+    print(f"\n{'measured':<{width}}  {'seed':>14}  {'ours':>14}  {'ratio':>8}")
     for r in rows:
         print(f"{r[0]:<{width}}  {r[1]:>14}  {r[2]:>14}  {r[3]:>8}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(claims, f, indent=2)
-    return 0 if all(c["ok"] for c in claims.values()) else 1
+    return report(claims, args.json, title="policygroup claims")
 
 
 if __name__ == "__main__":

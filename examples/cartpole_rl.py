@@ -1,10 +1,10 @@
 """The main job: PPO on CartPole-v1 with rlfleet doing the policy-group work.
 
 Env workers (Ray actors, each a vector of CartPole envs) send observations through
-`PolicyGroup.rollout_batch` to eval policies (node-affinity routing by env id); the driver
+`PolicyGroup.rollout_batch` to rollout workers (node-affinity routing by env id); the driver
 turns trajectories into advantages and hands each trainer its shard; the trainers run PPO,
-data-parallel over gloo; `sync_weights` moves the new weights to every eval policy after each
-update, and `verify_eval_weight_consistency` checks them every few iterations.
+data-parallel over gloo; `sync_weights` moves the new weights to every rollout worker after
+each update, and `verify_eval_weight_consistency` checks them every few iterations.
 
     hatch run demo                       # embedded local Ray, 1 node
     hatch run demo --nodes 3             # a local 3-node Ray cluster
@@ -28,13 +28,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import cartpole_policy  # beside this script (its folder is on the path when run)
 import numpy as np
 import ray
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import cartpole_policy
 from cartpole_policy import CartPolePolicy, EnvWorker, gae
 
 from rlfleet.placement import plan_transfer
@@ -188,7 +185,7 @@ def ray_runtime(args: argparse.Namespace) -> Iterator[list[str]]:
 
 
 def component_distribution(args: argparse.Namespace, config: PolicyConfig) -> dict[str, Any]:
-    """Which env workers and eval policies share a node (the seed's resource-manager view)."""
+    """Which env workers and rollout workers share a node (the seed's resource-manager view)."""
     placement = plan_placement(args.num_train, args.num_eval, config)
     evals = [w for w in placement.workers if w.role == "eval"]
     nodes = sorted({w.node for w in evals}, key=[w.node for w in evals].index)
@@ -214,7 +211,7 @@ class Timings:
 
 
 def collect(group: Any, envs: list[Any], steps: int, returns: list[float]) -> dict[str, np.ndarray]:
-    """`steps` env steps on every worker, actions from the eval policies via rollout_batch."""
+    """`steps` env steps on every worker, actions from the rollout workers via rollout_batch."""
     ids = [f"env-{i}" for i in range(len(envs))]
     obs = ray.get([e.observe.remote() for e in envs], timeout=60)
     buf: dict[str, list[np.ndarray]] = defaultdict(list)
@@ -331,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         try:
             with timings("sync"):
-                group.sync_weights()  # eval policies start from the trainers' initial weights
+                group.sync_weights()  # rollout workers start from the trainers' initial weights
             solved_at = run_loop(args, group, envs, returns, timings)
             print_summary(timings, group, returns, solved_at)
             for path in save_outputs(args.out, returns, group, args):

@@ -93,7 +93,7 @@ class FaultPolicy(BasePolicy):
 
     def get_store_port(self) -> int | None:
         """Port of the rendezvous TCPStore this worker hosts (rank 0 of a world), if any."""
-        return self._store_port
+        return self._comm.store_port
 
     def crash(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -119,10 +119,8 @@ class FaultPolicy(BasePolicy):
         self._mutation = kind
         self.model = make_model(kind)
         if rederive:
-            self._layout = None
-            self._send_flat = None
-            self._packed_version = None
-            self._senders.clear()
+            self._weights.sender_layout = None
+            self._comm.forget_broadcasts()
         if self.optimizer is not None:
             self.optimizer = self.build_optimizer(self.train_config)
 
@@ -152,8 +150,8 @@ class FaultPolicy(BasePolicy):
         """Fire "consume" after the first bucket a buffer takes (any strategy, any transport)."""
         if "consume" not in self._faults:
             return
-        for consumer in (self._buffer, self._shared_writer):
-            if consumer is None or "consume" in vars(consumer):
+        for consumer in self._weights.consumers():
+            if "consume" in vars(consumer):
                 continue
             original = consumer.consume
 
@@ -178,7 +176,7 @@ class FaultPolicy(BasePolicy):
         from rlfleet.weightsync import SharedSegment, bucket_starts
         from rlfleet.weightsync._shared_format import G_DATA_OFFSET, G_SLOT_BYTES, SlotTable
 
-        layout = self._require_layout()
+        layout = self._weights.require_endpoint().layout
         segment = SharedSegment.attach(name)
         try:
             header, _, _ = SlotTable.of(segment)
@@ -206,9 +204,11 @@ class FaultPolicy(BasePolicy):
         self._fire("publish")
         return super().publish_shared(version, timeout_s)
 
-    def apply_staged(self, version: int | None = None, timeout_s: float | None = None) -> int:
+    def apply_staged(
+        self, version: int | None = None, timeout_s: float | None = None, group_id: str | None = None
+    ) -> int:
         self._fire("apply")
-        return super().apply_staged(version, timeout_s)
+        return super().apply_staged(version, timeout_s, group_id)
 
     def init_distributed_env(self, *args: Any, **kwargs: Any) -> int:
         self._fire("join")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,8 +23,6 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import fault_policies as fp  # noqa: E402
 
@@ -43,6 +40,7 @@ from rlfleet.policygroup import (  # noqa: E402
 from rlfleet.weightsync import LayoutMismatchError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
+ray.cloudpickle.register_pickle_by_value(fp)  # the workers need not import tests/
 
 PLACES = {
     "train0": "node0",
@@ -73,37 +71,6 @@ def config(strategy: str = "Double") -> PolicyConfig:
 
 def report(case: str, outcome: str, seconds: float) -> None:
     print(f"\nFAULT {case} | {outcome} | {seconds:.1f}")
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    with contextlib.suppress(FileNotFoundError):
-        os.remove("/tmp/ray/ray_current_cluster")
-    ray.cloudpickle.register_pickle_by_value(fp)
-    for attempt in (1, 2):  # Ray gives a raylet 30 s to register: a loaded machine can miss it
-        c = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 1, "include_dashboard": False, "resources": {"node0": 100}},
-        )
-        try:
-            for i in (1, 2):
-                c.add_node(num_cpus=1, resources={f"node{i}": 100})
-            c.wait_for_nodes()
-            break
-        except Exception:
-            c.shutdown()
-            if attempt == 2:
-                raise
-    try:
-        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove("/tmp/ray/ray_current_cluster")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +122,7 @@ def make_group(actors: dict[str, Any], strategy: str, evals: tuple[str, ...] = E
 
 
 def eval_state(group: PolicyGroup) -> list[tuple[int, str]]:
-    """(version, checksum) of every eval policy, in eval_list order."""
+    """(version, checksum) of every rollout worker, in eval_list order."""
     versions = ray.get([p.get_weight_version.remote() for p in group.eval_list], timeout=60)
     sums = ray.get([p.get_weight_checksum.remote() for p in group.eval_list], timeout=60)
     return list(zip(versions, sums, strict=True))
@@ -171,36 +138,43 @@ def rollout(group: PolicyGroup, n: int = 12) -> list[dict[str, Any]]:
     return list(ray.get(resp.values(), timeout=60))
 
 
+def steps(group: PolicyGroup, transport: str) -> list[Any]:
+    """The group's sync steps of one transport ("broadcast" or "node_buffer")."""
+    return [s for s in group._sync.steps if s.transport == transport]
+
+
+def readers_of(group: PolicyGroup, node: Any) -> list[Any]:
+    return [r for s in steps(group, "node_buffer") if s.node == node for r in s.dst]
+
+
 def pick(group: PolicyGroup, actors: dict[str, Any], role: str) -> str:
-    """The eval actor name playing `role` in the group's current sync plan."""
-    plan = group._plan
-    name_of = {group._wid(a): n for n, a in actors.items()}
+    """The eval actor name playing `role` in the group's current sync steps."""
+    wid = group._roster.wid
+    name_of = {wid(a): n for n, a in actors.items()}
     if role == "broadcast":  # receives over the wire from a trainer on another node
-        return name_of[group._wid(plan.cross[0].receivers[-1])]
+        return name_of[wid(steps(group, "broadcast")[0].dst[-1])]
     if role == "writer":  # Shared: receives for node2 and fills its shared buffer
-        return name_of[group._wid(plan.cross[0].receivers[0])]
-    if role == "segment":  # reads the segment a trainer on its node wrote
-        return name_of[group._wid(plan.readers[group.node_of(actors["train1"])][0])]
+        return name_of[wid(steps(group, "broadcast")[0].dst[0])]
+    if role == "segment":  # reads the node buffer a trainer on its node wrote
+        return name_of[wid(readers_of(group, group.node_of(actors["train1"]))[0])]
     if role == "reader":  # Shared: reads node2's shared buffer that another eval fills
-        node2 = group.node_of(actors["eval2"])
-        return name_of[group._wid(plan.readers[node2][0])]
+        return name_of[wid(readers_of(group, group.node_of(actors["eval2"]))[0])]
     raise ValueError(role)
 
 
 def assert_not_planned(group: PolicyGroup, victim: Any) -> None:
-    wid = group._wid(victim)
-    assert all(group._wid(p) != wid for p in group.eval_list)
-    assert wid not in group.router
-    plan = group._plan
-    assert all(group._wid(r) != wid for rs in plan.readers.values() for r in rs)
-    assert all(group._wid(r) != wid for c in plan.cross for r in c.receivers)
-    assert all(group._wid(w) != wid for w in plan.writers.values())
+    wid = group._roster.wid
+    gone = wid(victim)
+    assert all(wid(p) != gone for p in group.eval_list)
+    assert gone not in group.router
+    for step in group._sync.steps:
+        assert all(wid(p) != gone for p in [step.src, *step.dst])
     for items in group.transfer_info.values():
         for item in items:
             receivers = item["receiver"] if isinstance(item["receiver"], list) else [item["receiver"]]
-            assert all(group._wid(r) != wid for r in [item["sender"], *receivers])
+            assert all(wid(r) != gone for r in [item["sender"], *receivers])
     for entry in group.placement_info.values():
-        assert all(group._wid(p) != wid for p in entry["eval_policies"])
+        assert all(wid(p) != gone for p in entry["eval_policies"])
 
 
 # ------------------------------------------------------------------ eval killed mid-sync
@@ -253,13 +227,13 @@ def test_trainer_killed_mid_sync_receivers_abort_and_keep_their_weights(
         group.train(None, seed=2)
         before = eval_state(group)
         version = group.weight_version
-        cross = group._plan.cross[0]
-        sender_pid = ray.get(cross.sender.get_pid.remote(), timeout=30)
-        receiver = cross.receivers[0]
+        cross = steps(group, "broadcast")[0]
+        sender_pid = ray.get(cross.src.get_pid.remote(), timeout=30)
+        receiver = cross.dst[0]
         # the receiver SIGKILLs the trainer after taking the first bucket: mid-stream
         ray.get(receiver.arm.remote("consume", "kill", sender_pid), timeout=30)
         start = time.monotonic()
-        with pytest.raises(TrainWorkerDiedError, match=r"train policy \d died"):
+        with pytest.raises(TrainWorkerDiedError, match=r"trainer \d died"):
             group.sync_weights()
         seconds = time.monotonic() - start
         assert seconds < SYNC_TIMEOUT_S + 15.0, seconds
@@ -270,13 +244,14 @@ def test_trainer_killed_mid_sync_receivers_abort_and_keep_their_weights(
         # what the dead trainer fed (its stream, and with Shared the node buffer it filled) is
         # untouched: same version, same bytes; with Double/Shared nothing is applied anywhere
         # (only staged), with "None" evals fed by the live trainer applied in place
-        fed = {group._wid(r) for r in cross.receivers}
+        wid = group._roster.wid
+        fed = {wid(r) for r in cross.dst}
         if strategy == "Shared":
-            fed |= {group._wid(r) for r in group._plan.readers.get(cross.node, [])}
+            fed |= {wid(r) for r in readers_of(group, cross.node)}
         after = eval_state(group)
         for p, old, new in zip(group.eval_list, before, after, strict=True):
-            if group._wid(p) in fed or strategy != "None":
-                assert new == old, group._name(p)
+            if wid(p) in fed or strategy != "None":
+                assert new == old, group._roster.name(p)
         report(f"trainer killed mid-sync ({strategy})", f"receivers: {kind}; weights unchanged", seconds)
     finally:
         group.shutdown()
@@ -384,7 +359,7 @@ def test_layout_mismatch_names_the_parameter_and_applies_nothing(
 ) -> None:
     param = fp.MUTATED_PARAMETER[mutation]
     start = time.monotonic()
-    # an eval policy whose model differs: refused when its buffer is set up
+    # a rollout worker whose model differs: refused when its buffer is set up
     ray.get(actors["eval3"].mutate.remote(mutation), timeout=30)
     own = ray.get(actors["eval3"].get_weight_checksum.remote(), timeout=30)
     group = PolicyGroup([actors["train0"]], [actors["eval3"]], config("Double"))
@@ -420,7 +395,7 @@ def test_layout_mismatch_names_the_parameter_and_applies_nothing(
         ray.get([actors[t].mutate.remote(mutation) for t in ("train0", "train1")], timeout=30)
         with pytest.raises(PolicyGroupError, match=re.escape(f"'{param}'")):
             group.sync_weights()  # the receivers' error, naming the parameter, is the one raised
-        for receiver in group._plan.cross[0].receivers:
+        for receiver in steps(group, "broadcast")[0].dst:
             kind, message, _ = ray.get(receiver.last_error.remote(), timeout=30)
             assert kind == "LayoutMismatchError", message
             assert f"'{param}'" in message
@@ -440,7 +415,7 @@ def test_trainer_layout_change_is_refused_by_node_segment_readers(
 ) -> None:
     group = make_group(actors, "Double", evals=("eval0", "eval1"))  # node buffers only
     try:
-        assert not group._plan.cross
+        assert not steps(group, "broadcast")
         before, version = eval_state(group), group.weight_version
         ray.get([actors[t].mutate.remote("reshaped") for t in ("train0", "train1")], timeout=30)
         start = time.monotonic()
@@ -474,11 +449,11 @@ def test_comm_group_member_that_never_joins_is_named_within_the_deadline(
         # every other rank gives up after group_timeout_s; the driver's wait has 15 s of margin
         assert seconds < GROUP_TIMEOUT_S + 15.0 + 10.0, seconds
         message = str(info.value)
-        assert re.search(r"rank \d+ \(eval policy 2\b", message), message
+        assert re.search(r"rank \d+ \(rollout worker 2\b", message), message
     finally:
         ray.get(actors["eval2"].release.remote(), timeout=30)
         group.shutdown()
-    report("comm group: eval policy 2 never joins", "CommGroupError names its rank", seconds)
+    report("comm group: rollout worker 2 never joins", "CommGroupError names its rank", seconds)
 
 
 # ------------------------------------------------------------------ restart and rejoin

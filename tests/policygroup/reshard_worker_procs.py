@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -11,9 +10,10 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from testkit import free_port
 
 from rlfleet.placement import Parallelism, ParamSpec, plan_reshard
-from rlfleet.policygroup import BasePolicy, PolicyConfig, ReshardWorkerMixin
+from rlfleet.policygroup import BasePolicy, PolicyConfig
 
 H, V = 16, 32
 TRAIN = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
@@ -56,15 +56,7 @@ def shard(spec: ParamSpec, full: Mapping[str, torch.Tensor], tp: int, tp_rank: i
     return torch.cat([full[p].chunk(tp, dim)[tp_rank] if split else full[p] for p, _ in spec.pieces], dim)
 
 
-# BasePolicy inherits the mixin (or, before it did, a subclass adds it).
-_Base: Any = (
-    BasePolicy
-    if issubclass(BasePolicy, ReshardWorkerMixin)
-    else type("_Base", (ReshardWorkerMixin, BasePolicy), {})
-)
-
-
-class Policy(_Base):  # type: ignore[misc]
+class Policy(BasePolicy):
     """A worker whose model holds exactly its shard of `specs()` (plus a kv-cache scale buffer)."""
 
     def __init__(self, role: str, index: int) -> None:
@@ -151,12 +143,6 @@ def worker(rank: int, ports: Sequence[int], queue: Any) -> None:
     queue.close()
     queue.join_thread()
     os._exit(0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(timeout: float = 240.0) -> dict[int, Any]:

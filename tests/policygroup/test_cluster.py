@@ -15,8 +15,9 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from conftest import node_ids  # noqa: E402
+import pg_policies  # noqa: E402
 from pg_policies import OBS_DIM, MLPPolicy, make_model  # noqa: E402
+from testkit import node_ids  # noqa: E402
 
 from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
@@ -29,6 +30,7 @@ from rlfleet.policygroup import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.timeout(300)
+ray.cloudpickle.register_pickle_by_value(pg_policies)  # the workers need not import tests/
 
 STRATEGIES = [
     ("None", "WeightBuffer"),
@@ -81,7 +83,7 @@ def make_group(
     group.init_placement_info(is_colocated=colocated)
     group.init_weight_buffer()
     group.init_comm_group("gloo", is_colocated=colocated)
-    group.sync_weights()  # eval policies start from the trainers' weights (they served other groups before)
+    group.sync_weights()  # rollout workers start from the trainers' weights (they served other groups before)
     return group
 
 
@@ -138,7 +140,9 @@ def test_sync_disaggregated_every_strategy(actors: dict[str, Any], strategy: str
     try:
         nodes = {group.node_of(p) for p in group.eval_list}
         assert len(nodes) == 3
-        assert group._plan.cross, "node2 has no trainer: its weights must cross nodes"
+        assert any(s.transport == "broadcast" for s in group._sync.steps), (
+            "node2 has no trainer: weights cross nodes"
+        )
         for step in (1, 2):
             train_sync_and_check(group, step)
     finally:
@@ -150,7 +154,7 @@ def test_sync_colocated_every_strategy(actors: dict[str, Any], strategy: str, ki
     group = make_group(actors, config(strategy, kind), colocated=True, evals=("eval0", "eval1"))
     try:
         assert set(group.transfer_info) == {"all"}
-        assert not group._plan.cross  # each pair shares a node: shared memory only
+        assert all(s.transport == "node_buffer" for s in group._sync.steps)  # each pair shares a node
         train_sync_and_check(group, 3)
     finally:
         group.shutdown()
@@ -301,9 +305,9 @@ def test_zzz_dead_train_worker_is_a_clear_error(actors: dict[str, Any]) -> None:
     group = make_group(actors, config("Double"), evals=("eval0", "eval1"))
     try:
         ray.kill(actors["train1"], no_restart=True)
-        with pytest.raises(TrainWorkerDiedError, match="train policy 1"):
+        with pytest.raises(TrainWorkerDiedError, match="trainer 1"):
             group.sync_weights()
-        with pytest.raises(TrainWorkerDiedError, match="train policy 1"):
+        with pytest.raises(TrainWorkerDiedError, match="trainer 1"):
             group.train(None, seed=1)
     finally:
         group.shutdown()

@@ -65,9 +65,9 @@ def test_shared_strategy_binds_every_eval_to_one_segment() -> None:
     group = local_group("Shared", "CPUWeightBuffer")
     try:
         group.sync_weights()
-        # zero-copy: every eval policy computes straight from its read-only mapping of the node buffer
+        # zero-copy: every rollout worker computes straight from its read-only mapping of the node buffer
         for p in group.eval_list:
-            start, end = p._shared_reader.data_range()
+            start, end = p._weights.endpoint.data_range()
             assert all(start <= t.data_ptr() < end for t in p.model.state_dict().values())
         names = [e["shared_weight_buffer"]["name"] for e in group.shared_weight_buffer_map.values()]
         assert all(os.path.exists(os.path.join("/dev/shm", n)) for n in names)
@@ -173,7 +173,7 @@ def test_sharded_needs_ray_actors() -> None:
 
 
 class _GatedPolicy(MLPPolicy):
-    """An eval policy whose rollouts wait on a gate, so a test controls when one finishes."""
+    """A rollout worker whose rollouts wait on a gate, so a test controls when one finishes."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from typing import Any
 
@@ -12,11 +11,14 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+import pg_policies  # noqa: E402
 from pg_policies import OBS_DIM, MLPPolicy, make_model  # noqa: E402
+from testkit import free_port  # noqa: E402
 
 from rlfleet.policygroup import PolicyConfig, TaskSubmitter, TaskTimeoutError, TrainConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
+ray.cloudpickle.register_pickle_by_value(pg_policies)  # the workers need not import tests/
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +93,7 @@ def test_reference_logprobs_come_from_a_frozen_copy(pair: tuple[Any, Any]) -> No
 
 def test_init_collective_forms_a_group_across_nodes(pair: tuple[Any, Any]) -> None:
     trainer, evaluator = pair
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port2 = s.getsockname()[1]
+    port2 = free_port()
     refs = [
         trainer.init_collective.remote("127.0.0.1", port2, 2, train_world_size=1),
         evaluator.init_collective.remote("127.0.0.1", port2, 2, train_world_size=1),

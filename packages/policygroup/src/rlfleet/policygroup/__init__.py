@@ -1,4 +1,4 @@
-"""rlfleet.policygroup: train and eval policies on Ray, placed, connected, synced and routed."""
+"""rlfleet.policygroup: trainers and rollout workers on Ray, placed, connected, synced and routed."""
 
 from rlfleet.policygroup.__about__ import __version__
 from rlfleet.policygroup._batched import BatchedData
@@ -19,9 +19,10 @@ from rlfleet.policygroup._errors import (
     WorkerDiedError,
 )
 from rlfleet.policygroup._group import PolicyGroup
-from rlfleet.policygroup._reshard import ReshardWorkerMixin
-from rlfleet.policygroup._submitter import TaskSubmitter, resolve_object
-from rlfleet.policygroup._worker import BasePolicy, ParallelMode, PolicyRole
+from rlfleet.policygroup._submitter import TaskSubmitter  # the seed's submitter, for users' own actors
+from rlfleet.policygroup._sync import SyncOutcome
+from rlfleet.policygroup._worker import BasePolicy, PolicyRole
+from rlfleet.policygroup._worker_comm import ParallelMode
 
 __all__ = [
     "BUFFER_STRATEGIES",
@@ -35,7 +36,7 @@ __all__ = [
     "PolicyGroup",
     "PolicyGroupError",
     "PolicyRole",
-    "ReshardWorkerMixin",
+    "SyncOutcome",
     "TaskSubmitter",
     "TaskTimeoutError",
     "TrainConfig",
@@ -46,5 +47,4 @@ __all__ = [
     "build_policy_group",
     "plan_placement",
     "ray_topology",
-    "resolve_object",
 ]

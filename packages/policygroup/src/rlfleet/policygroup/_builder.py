@@ -45,35 +45,15 @@ def ray_topology(
             raise PolicyGroupError(f"nodes {unknown} are not alive Ray nodes (alive: {sorted(known)})")
         ids = list(nodes)
     if not ids:
-        raise PolicyGroupError("no alive Ray node to place policies on")
-    links: list[dict[str, Any]] = []
-    for nid in ids:
-        links += [
-            {
-                "a": f"{nid}/{kind}{k}",
-                "b": f"{nid}/host",
-                "kind": "pcie",
-                "bandwidth": local_bandwidth,
-                "latency": 1e-6,
-            }
-            for k in range(slots_per_node)
-        ]
-        links.append(
-            {
-                "a": f"{nid}/host",
-                "b": "fabric",
-                "kind": "network",
-                "bandwidth": network_bandwidth,
-                "latency": 5e-5,
-            }
-        )
+        raise PolicyGroupError("no alive Ray node to place workers on")
+    devices = [f"{kind}{k}" for k in range(slots_per_node)]
+    local = {"kind": "pcie", "bandwidth": local_bandwidth, "latency": 1e-6}
+    network = {"kind": "network", "bandwidth": network_bandwidth, "latency": 5e-5}
     spec = {
-        "nodes": [
-            {"id": nid, "devices": [{"id": f"{kind}{k}", "kind": kind} for k in range(slots_per_node)]}
-            for nid in ids
-        ],
+        "nodes": [{"id": nid, "devices": [{"id": d, "kind": kind} for d in devices]} for nid in ids],
         "switches": [{"id": "fabric"}] + [{"id": "host", "node": nid} for nid in ids],
-        "links": links,
+        "links": [{"a": f"{nid}/{d}", "b": f"{nid}/host", **local} for nid in ids for d in devices]
+        + [{"a": f"{nid}/host", "b": "fabric", **network} for nid in ids],
     }
     return Topology.from_spec(spec)
 
@@ -103,23 +83,66 @@ def plan_placement(
     )
 
 
+def _reserve(placement: Placement, timeout_s: float) -> Any:
+    """A Ray placement group of the plan's bundles, ready (or removed and an error)."""
+    pg = ray.util.placement_group(placement.ray_bundles(), strategy=placement.strategy or "PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise PolicyGroupError(
+            f"placement group {placement.ray_bundles()} not ready within {timeout_s:.0f}s"
+        ) from None
+    return pg
+
+
+def _start_actors(
+    policy_cls: type[BasePolicy],
+    placement: Placement,
+    pg: Any,
+    config: PolicyConfig,
+    kwargs: Mapping[str, Any],
+) -> dict[str, list[Any]]:
+    """One actor per planned worker, pinned to its node (or its bundle); trainers first."""
+    remote_cls = ray.remote(policy_cls)
+    actors: dict[str, list[Any]] = {"train": [], "eval": []}
+    for w in sorted(
+        placement.workers, key=lambda w: (w.role != "train", int(str(w.worker_id).split("-")[-1]))
+    ):
+        train = w.role == "train"
+        cpus = config.train_num_cpus if train else config.eval_num_cpus
+        strategy: Any = NodeAffinitySchedulingStrategy(node_id=w.node, soft=False)
+        if pg is not None:
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w.bundle_index or 0)
+            cpus = min(max(cpus, 0.0), placement.bundles[w.bundle_index or 0].cpu / 2)
+        actor = remote_cls.options(
+            num_cpus=cpus,
+            num_gpus=config.train_num_gpus if train else config.eval_num_gpus,
+            max_concurrency=config.max_concurrency,
+            scheduling_strategy=strategy,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
+        ).remote(config=config, role=PolicyRole(w.role), index=len(actors[w.role]), **kwargs)
+        actors[w.role].append(actor)
+    return actors
+
+
 def build_policy_group(
     policy_cls: type[BasePolicy],
     num_train: int,
     num_eval: int,
     config: PolicyConfig,
     *,
+    scheduling: str = "node_affinity",
     colocated: bool = False,
+    mode: str = "packed",
     nodes: Sequence[str] | None = None,
     slots_per_node: int | None = None,
-    mode: str = "packed",
-    scheduling: str = "node_affinity",
-    train_config: TrainConfig | None = None,
     policy_kwargs: Mapping[str, Any] | None = None,
+    train_config: TrainConfig | None = None,
     init: bool = True,
     ready_timeout_s: float = 300.0,
 ) -> PolicyGroup:
-    """Create `num_train` + `num_eval` actors of `policy_cls` as planned, and wire them up.
+    """Create `num_train` + `num_eval` actors of `policy_cls` as planned, and connect them.
 
     `scheduling`: "node_affinity" pins each actor to its planned Ray node; "placement_group"
     reserves the plan's bundles in a Ray placement group first. With `init`, runs the seed's
@@ -138,51 +161,18 @@ def build_policy_group(
         slots_per_node=slots_per_node,
         mode=mode,
     )
-    remote_cls = ray.remote(policy_cls)
-    pg = None
-    if scheduling == "placement_group":
-        pg = ray.util.placement_group(placement.ray_bundles(), strategy=placement.strategy or "PACK")
-        try:
-            ray.get(pg.ready(), timeout=ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(pg)
-            raise PolicyGroupError(
-                f"placement group {placement.ray_bundles()} not ready within {ready_timeout_s:.0f}s"
-            ) from None
-    actors: dict[str, list[Any]] = {"train": [], "eval": []}
-    for w in sorted(
-        placement.workers, key=lambda w: (w.role != "train", int(str(w.worker_id).split("-")[-1]))
-    ):
-        train = w.role == "train"
-        index = len(actors[w.role])
-        strategy: Any
-        if pg is not None:
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w.bundle_index or 0)
-        else:
-            strategy = NodeAffinitySchedulingStrategy(node_id=w.node, soft=False)
-        cpus = config.train_num_cpus if train else config.eval_num_cpus
-        if pg is not None:
-            cpus = min(max(cpus, 0.0), placement.bundles[w.bundle_index or 0].cpu / 2)
-        actor = remote_cls.options(
-            num_cpus=cpus,
-            num_gpus=config.train_num_gpus if train else config.eval_num_gpus,
-            max_concurrency=config.max_concurrency,
-            scheduling_strategy=strategy,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
-        ).remote(
-            config=config,
-            role=PolicyRole.TRAIN if train else PolicyRole.EVAL,
-            index=index,
-            **dict(policy_kwargs or {}),
-        )
-        actors[w.role].append(actor)
-    group = PolicyGroup(actors["train"], actors["eval"], config)
-    group._owned_actors = actors["train"] + actors["eval"]
-    if pg is not None:
-        group._placement_groups.append(pg)
-    group.placement = placement  # type: ignore[attr-defined]
+    pg = _reserve(placement, ready_timeout_s) if scheduling == "placement_group" else None
+    actors = _start_actors(policy_cls, placement, pg, config, dict(policy_kwargs or {}))
+    everyone = actors["train"] + actors["eval"]
+    group = PolicyGroup(
+        actors["train"],
+        actors["eval"],
+        config,
+        placement=placement,
+        owned_actors=everyone,
+        placement_groups=[] if pg is None else [pg],
+    )
     try:
-        everyone = actors["train"] + actors["eval"]
         ready, pending = ray.wait(
             [a.is_alive.remote() for a in everyone], num_returns=len(everyone), timeout=ready_timeout_s
         )

@@ -5,19 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlfleet.weightsync import WEIGHT_BUFFER_STRATEGIES, check_strategy
+
 ROLLOUT_MODES = ("sync", "async")
 BUFFER_TYPES = ("WeightBuffer", "CPUWeightBuffer", "ShardedWeightBuffer")
-BUFFER_STRATEGIES = ("None", "Double", "Shared", "Sharded")
+BUFFER_STRATEGIES = WEIGHT_BUFFER_STRATEGIES  # the seed's names, defined once in rlfleet.weightsync
 ROUTER_TYPES = ("simple", "node_affinity", "round_robin", "least_load", "power_of_two", "consistent_hash")
 
 
 @dataclass
 class WeightBufferConfig:
-    """Where received weights are staged before an eval policy applies them (seed names).
+    """Where received weights are staged before a rollout worker applies them (seed names).
 
     ``buffer_strategy``: "None" applies in place (the receiver is drained for the transfer),
     "Double" stages a full private copy and swaps it in (serving goes on during the transfer),
-    "Shared" keeps one two-slot shared-memory buffer per node that every local eval policy reads
+    "Shared" keeps one two-slot shared-memory buffer per node that every local rollout worker reads
     zero-copy (needs ``type="CPUWeightBuffer"``), "Sharded" needs ``type="ShardedWeightBuffer"``.
     ``checksums``: the node's shared buffer stores a CRC32 per bucket, checked by every eval
     before it applies a version (a corrupted byte is refused, not served). Off by default, as
@@ -37,11 +39,7 @@ class WeightBufferConfig:
     def validate(self) -> None:
         if self.type not in BUFFER_TYPES:
             raise ValueError(f"weight_buffer.type {self.type!r} is unknown; valid: {', '.join(BUFFER_TYPES)}")
-        if self.buffer_strategy not in BUFFER_STRATEGIES:
-            raise ValueError(
-                f"weight_buffer.buffer_strategy {self.buffer_strategy!r} is unknown; "
-                f"valid: {', '.join(BUFFER_STRATEGIES)}"
-            )
+        check_strategy(self.buffer_strategy, "weight_buffer.buffer_strategy")
         if self.buffer_strategy == "Shared" and self.type != "CPUWeightBuffer":
             raise ValueError(
                 f"weight_buffer.buffer_strategy 'Shared' needs type 'CPUWeightBuffer', got {self.type!r}"
@@ -123,7 +121,7 @@ class PolicyConfig:
 
 @dataclass
 class TrainConfig:
-    """What a train policy needs to set up its optimiser (user policies may read more fields)."""
+    """What a trainer needs to set up its optimiser (user policies may read more fields)."""
 
     lr: float = 1e-3
     seed: int = 0

@@ -17,7 +17,7 @@ class WorkerDiedError(PolicyGroupError):
 
 
 class TrainWorkerDiedError(WorkerDiedError):
-    """A train policy died: training state is lost, the group cannot go on silently."""
+    """A trainer died: training state is lost, the group cannot go on silently."""
 
 
 class CommGroupError(PolicyGroupError):

@@ -1,42 +1,21 @@
 """NeMo RL's ``nccl_reshard`` worker calls, as a mixin for `BasePolicy` (gloo on CPU, NCCL on GPU).
 
-Training and generation shard the model differently; instead of broadcasting the whole model
-to every generation rank, each generation rank receives exactly its own shard, point to point,
+Trainers and rollout workers shard the model differently; instead of broadcasting the whole
+model to every rollout (generation) rank, each receives exactly its own shard, point to point,
 from data-parallel replicas striped across the training ranks. The plan is
 ``rlfleet.placement.plan_reshard``; the transfer is rlfleet.weightsync's `ReshardSender` /
-`ReshardReceiver` (versioned, atomic, deadline-bounded). This module only wires them into a
-worker, with the seed's names and arguments:
-
-- ``init_nccl_reshard_comm_group(pp_ips, pp_ports, pp_size, my_pp_stage, sub_world_size,
-  my_rank_in_group)``: one group per training pipeline stage, rendezvous at
-  ``pp_ips[s]:pp_ports[s]``; its ranks are the stage's training ranks (ascending, group rank 0
-  hosts the store) followed by every generation rank. A training worker joins its own stage's
-  group; a generation worker joins every stage's group (with the same ``my_rank_in_group``:
-  ``stage size + generation rank``; ``my_pp_stage`` is ignored for it).
-- ``prepare_nccl_reshard_refit_info(train_parallelism, gen_parallelism, train_world_size,
-  gen_world_size)``: plans (every worker computes the same plan from the same parameter specs)
-  and returns a JSON-safe summary.
-- ``nccl_reshard_refit(kv_scales=None, refit_timeout_s=None)``: one version; training workers
-  send ``version = their version + 1`` (or ``version=``), generation workers stage it, commit it
-  under the worker's serving lock on every generation rank or on none, and apply ``kv_scales``.
-
-Hooks a policy overrides: `reshard_param_specs` (the model's full, unsharded parameters and how
-training shards them; the default treats the local model as unsharded, stage "first"),
-`reshard_gen_param_specs` (generation side, when it renames or fuses differently),
-`reshard_rank` (this worker's rank on its side; default ``index``) and `reshard_state_dict`.
-
-To make `BasePolicy` speak these calls: ``class BasePolicy(ReshardWorkerMixin):``.
+`ReshardReceiver` (versioned, atomic, deadline-bounded). This module connects them to a worker
+with the seed's names and arguments (one group per training pipeline stage). Hooks a policy
+overrides: `reshard_param_specs`, `reshard_gen_param_specs`, `reshard_rank`, `reshard_state_dict`.
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rlfleet.placement import Parallelism, ParamSpec, ReshardPlan, plan_reshard
 from rlfleet.policygroup._config import PolicyConfig
@@ -44,34 +23,22 @@ from rlfleet.policygroup._errors import CommGroupError
 from rlfleet.weightsync import (
     Deadline,
     DoubleBuffer,
-    LayoutMismatchError,
+    MemberGroup,
     PeerGroup,
     RankProgram,
     ReshardReceiver,
     ReshardSender,
     ReshardStats,
     ServingLock,
-    check_in,
+    WorkerWeights,
     connect_store,
     dtype_name,
+    module_part_buffer,
 )
 
 __all__ = ["ReshardWorkerMixin"]
 
-_c10d: Any = dist  # PrefixStore / ProcessGroup* are not re-exported for mypy
-
 DEFAULT_REFIT_TIMEOUT_S = 120.0
-
-
-class _WorkerBuffer(DoubleBuffer):
-    """A DoubleBuffer ("copy" commit, so views bound to flat slots stay valid) whose applied
-    version starts at the worker's, so a stale version is refused even after a re-prepare."""
-
-    def __init__(
-        self, live: Mapping[str, torch.Tensor], layout: Any, version: int, commit_timeout_s: float
-    ) -> None:
-        super().__init__(live, layout, mode="copy", commit_timeout_s=commit_timeout_s)
-        self._version = version
 
 
 @dataclass
@@ -88,7 +55,7 @@ class _ReshardState:
     program: RankProgram | None = None
     sender: ReshardSender | None = None
     receiver: ReshardReceiver | None = None
-    consumer: _WorkerBuffer | None = None
+    consumer: DoubleBuffer | None = None
     last: ReshardStats | None = None
     kv_scales: dict[str, float] = field(default_factory=dict)
 
@@ -97,12 +64,14 @@ class ReshardWorkerMixin:
     """The ``nccl_reshard`` calls of NeMo RL's policy worker, for `BasePolicy` to inherit."""
 
     # Provided by the host class (BasePolicy).
+    role: Any
     model: torch.nn.Module
     index: int
     device: torch.device
     config: PolicyConfig
     pp_comm_group: Any
-    _version: int
+    _serve: ServingLock
+    _weights: WorkerWeights
 
     # -- hooks ------------------------------------------------------------------------------
     def reshard_param_specs(self) -> Sequence[ParamSpec | Mapping[str, Any]]:
@@ -137,8 +106,7 @@ class ReshardWorkerMixin:
         return state
 
     def _reshard_side(self) -> str:
-        role = str(getattr(getattr(self, "role", "eval"), "value", getattr(self, "role", "eval")))
-        return "train" if role == "train" else "gen"
+        return "train" if str(getattr(self.role, "value", self.role)) == "train" else "gen"
 
     # -- the seed's calls -----------------------------------------------------------------------
     def init_nccl_reshard_comm_group(
@@ -170,30 +138,17 @@ class ReshardWorkerMixin:
         timeout_s = self.config.group_timeout_s
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         for stage in [my_pp_stage] if train else list(range(pp_size)):
-            deadline = Deadline(timeout_s)
             what = f"nccl_reshard group of stage {stage} ({pp_ips[stage]}:{pp_ports[stage]})"
-            try:
+            try:  # the group's timeout (NCCL's too) is the group timeout
                 store = connect_store(
-                    pp_ips[stage], int(pp_ports[stage]), my_rank_in_group, sub_world_size, deadline
+                    pp_ips[stage], int(pp_ports[stage]), my_rank_in_group, sub_world_size, timeout_s
                 )
-                check_in(
-                    store,
-                    f"rlfleet/reshard/{stage}/join",
-                    my_rank_in_group,
-                    range(sub_world_size),
-                    deadline,
-                    what,
+                group = MemberGroup.create(
+                    store, f"reshard/{stage}", my_rank_in_group, sub_world_size, timeout_s, backend
                 )
             except Exception as exc:
                 raise CommGroupError(f"{what}: {exc}", tuple(getattr(exc, "missing", ()))) from exc
-            scoped = _c10d.PrefixStore(f"rlfleet/reshard/{stage}/pg", store)
-            timeout = datetime.timedelta(seconds=timeout_s)
-            group: Any
-            if backend == "gloo":
-                group = _c10d.ProcessGroupGloo(scoped, my_rank_in_group, sub_world_size, timeout)
-            else:  # pragma: no cover - needs GPUs
-                group = _c10d.ProcessGroupNCCL(scoped, my_rank_in_group, sub_world_size)
-            state.groups[stage] = group
+            state.groups[stage] = group.process_group
             state.stores.append(store)
         state.pp_size = pp_size
         state.my_pp_stage = my_pp_stage if train else -1
@@ -261,7 +216,11 @@ class ReshardWorkerMixin:
             state.sender = ReshardSender(program, peer_groups, bucket_bytes=bucket_bytes)
         else:
             state.receiver = ReshardReceiver(program, peer_groups, bucket_bytes=bucket_bytes)
-            state.consumer = self._reshard_consumer(program)
+            version, who = self._weights.version, f"generation worker {self.index}"
+            layout, drain = program.layout(), self.config.drain_timeout_s
+            state.consumer = module_part_buffer(
+                self.model, layout, version=version, serving_lock=self._serve, commit_timeout_s=drain, who=who
+            )
         summary = plan.summary()
         return {
             "digest": plan.digest,
@@ -276,26 +235,6 @@ class ReshardWorkerMixin:
             "peers": [r for _, r in program.peers()],
             "tensors": len(program.tensors),
         }
-
-    def _reshard_consumer(self, program: RankProgram) -> _WorkerBuffer:
-        live = dict(self.model.state_dict(keep_vars=True))
-        mine: dict[str, torch.Tensor] = {}
-        for name, shape, dtype in program.tensors:
-            tensor = live.get(name)
-            if tensor is None:
-                raise LayoutMismatchError(f"generation worker {self.index}: the model has no {name!r}", name)
-            if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
-                raise LayoutMismatchError(
-                    f"generation worker {self.index}: {name!r} is {dtype_name(tensor.dtype)} "
-                    f"{tuple(tensor.shape)}, its planned shard is {dtype} {shape}",
-                    name,
-                )
-            mine[name] = tensor
-        consumer = _WorkerBuffer(mine, program.layout(), int(self._version), self.config.drain_timeout_s)
-        worker_lock = getattr(self, "_serve", None)
-        if isinstance(worker_lock, ServingLock):  # the commit waits for the worker's rollouts
-            consumer.serving_lock = worker_lock
-        return consumer
 
     def nccl_reshard_refit(
         self,
@@ -312,16 +251,16 @@ class ReshardWorkerMixin:
         state = self._reshard_state()
         deadline = Deadline(DEFAULT_REFIT_TIMEOUT_S if refit_timeout_s is None else refit_timeout_s)
         if state.sender is not None:
-            v = self._version + 1 if version is None else int(version)
+            v = self._weights.version + 1 if version is None else int(version)
             extras = {"kv_scales": {str(k): float(x) for k, x in kv_scales.items()}} if kv_scales else {}
             state.last = state.sender.send(self.reshard_state_dict(), v, deadline, extras)
-            self._version = v
+            self._weights.version = v
             return
         if state.receiver is None or state.consumer is None:
             raise CommGroupError("nccl_reshard_refit: prepare_nccl_reshard_refit_info() must come first")
         stats = state.receiver.receive(state.consumer, deadline)
         state.last = stats
-        self._version = stats.version
+        self._weights.version = stats.version
         scales = dict(kv_scales or {})
         sent = stats.extras.get("kv_scales")
         if isinstance(sent, dict):

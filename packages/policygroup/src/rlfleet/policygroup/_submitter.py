@@ -136,19 +136,3 @@ def get(refs: Any, timeout: float, what: str | None = None) -> Any:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         raise TaskTimeoutError(f"{what or 'ray.get'} did not finish within {timeout:.1f}s") from None
-
-
-def resolve_object(obj: Any, timeout: float = 120.0) -> Any:
-    """Resolve ObjectRefs (alone or in a list/tuple) to values, as the seed's helper; bounded."""
-    if isinstance(obj, ray.ObjectRef):
-        return get(obj, timeout)
-    if isinstance(obj, (list, tuple)):
-        refs = [i for i, x in enumerate(obj) if isinstance(x, ray.ObjectRef)]
-        if not refs:
-            return list(obj)
-        values = get([obj[i] for i in refs], timeout)
-        out = list(obj)
-        for i, value in zip(refs, values, strict=True):
-            out[i] = value
-        return out
-    return obj

@@ -1,28 +1,55 @@
-"""rlfleet.weightsync: bucketed, versioned, atomic weight sync from trainers to rollout workers."""
+"""rlfleet.weightsync: bucketed, versioned, atomic weight sync from trainers to rollout workers.
+
+The public names, by family (the README has one section per family; the imports below are
+sorted by module, so this list is the map):
+
+- layout and packing: `Layout` and its buckets, dtypes, packing helpers, `adopt`;
+- consumers: the `BucketConsumer` protocol every transport drives, its landing extensions,
+  `Assembly` (one version from several senders) and `RecordingConsumer` (a test double);
+- weight buffers: the receive strategies "None" (`DirectBuffer`), "Double" (`DoubleBuffer`),
+  "Sharded" (`ShardedBuffer`) and their `ServingLock`;
+- shared memory: the node buffer ("Shared": `SharedBuffer`) and the `ShmRing` transport;
+- broadcast: torch.distributed senders and receivers, member groups, bounded rendezvous, and
+  `bucket_segments` (how a bucket is cut on the wire: what a sync really moves, padding included);
+- CUDA IPC and NCCL (CuPy, imported lazily);
+- reshard: shard-to-shard moves between training and generation layouts;
+- receive strategies: one endpoint per strategy (`create_endpoint`), `WorkerWeights`, the
+  strategy names, and their adapter consumers (`DeferredCommit`, `DiscardingConsumer`);
+- engines: `LoadWeightsConsumer` (vLLM/SGLang `load_weights`), weight transforms, `feed` (a
+  stream of (name, tensor) into any consumer), `full_tensors` (FSDP2, one parameter at a time);
+- deadlines and watchdogs; integrity checks; offload; errors.
+"""
 
 from rlfleet.weightsync.__about__ import __version__
+from rlfleet.weightsync._assembly import Assembly, AssemblyPart
 from rlfleet.weightsync._block import adopt, flat_block
-from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, ServingLock, live_tensors
+from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, live_tensors
+from rlfleet.weightsync._consumers import DeferredCommit, DiscardingConsumer, module_part_buffer
 from rlfleet.weightsync._copy import copy_tensors, default_copy_threads
 from rlfleet.weightsync._cuda_ipc import ControlBlock, CudaIpcReceiver, CudaIpcSender
 from rlfleet.weightsync._deadline import (
-    Backoff,
+    DEFAULT_SERVING_TIMEOUT_S,
+    DEFAULT_SYNC_TIMEOUT_S,
     Deadline,
     Watchdog,
     armed_watchdogs,
     caller_deadline,
     current_deadline,
-    stand_down,
     stand_down_armed_watchdogs,
 )
-from rlfleet.weightsync._dist import (
-    BroadcastReceiver,
-    BroadcastSender,
-    MemberWire,
-    TorchWire,
-    map_dist_error,
-)
+from rlfleet.weightsync._dist import BroadcastReceiver, BroadcastSender
 from rlfleet.weightsync._dtypes import DTYPES, dtype_from_name, dtype_name
+from rlfleet.weightsync._endpoint_worker import WorkerWeights
+from rlfleet.weightsync._endpoints import (
+    DirectEndpoint,
+    DoubleEndpoint,
+    ShardedEndpoint,
+    SharedEndpoint,
+    TransportReceiver,
+    WeightEndpoint,
+    commit_consumer,
+    create_endpoint,
+)
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
     IncompleteSyncError,
@@ -30,6 +57,7 @@ from rlfleet.weightsync._errors import (
     MetadataError,
     PartialLoadError,
     PeerLostError,
+    RendezvousTimeoutError,
     SlotsStillMappedError,
     SyncAbortedError,
     SyncTimeoutError,
@@ -38,6 +66,7 @@ from rlfleet.weightsync._errors import (
     WeightSyncError,
 )
 from rlfleet.weightsync._feed import feed, full_tensors, layout_entries
+from rlfleet.weightsync._frames import bucket_segments
 from rlfleet.weightsync._integrity import bucket_checksum, checksum, compare_fingerprints, fingerprint
 from rlfleet.weightsync._layout import ALIGNMENT, DEFAULT_BUCKET_BYTES, BucketSpec, Layout, TensorSpec
 from rlfleet.weightsync._load_weights import LoadWeights, LoadWeightsConsumer
@@ -61,8 +90,8 @@ from rlfleet.weightsync._packing import (
     unpack_bucket_into,
 )
 from rlfleet.weightsync._protocol import BucketConsumer
+from rlfleet.weightsync._recording import RecordingConsumer
 from rlfleet.weightsync._rendezvous import (
-    RendezvousTimeoutError,
     Roster,
     check_in,
     connect_store,
@@ -79,13 +108,13 @@ from rlfleet.weightsync._reshard import (
     P2PWire,
     PeerGroup,
     RankProgram,
-    ReshardMessage,
     ReshardReceiver,
     ReshardSender,
     ReshardStats,
     TorchP2PWire,
     Transfer,
 )
+from rlfleet.weightsync._serving import ServingLock
 from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
 from rlfleet.weightsync._shm import (
@@ -95,6 +124,7 @@ from rlfleet.weightsync._shm import (
     process_alive,
 )
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
+from rlfleet.weightsync._strategy import WEIGHT_BUFFER_STRATEGIES, WeightBufferStrategy, check_strategy
 from rlfleet.weightsync._transforms import (
     LLAMA_STACKED_PARAMS,
     Cast,
@@ -106,134 +136,138 @@ from rlfleet.weightsync._transforms import (
     apply_transforms,
     plan_transforms,
 )
-from rlfleet.weightsync._wire import (
-    BucketTarget,
-    Control,
-    Header,
-    SyncStats,
-    TensorTarget,
-    bucket_segments,
-)
+from rlfleet.weightsync._wire_base import BucketTarget, SyncStats, TensorTarget
 
 __all__ = [
+    "ALIGNMENT",
+    "DEFAULT_BUCKET_BYTES",
     "DEFAULT_RESHARD_BUCKET_BYTES",
     "DEFAULT_RESHARD_DIRECT_MIN",
-    "NcclP2PWire",
-    "P2PWire",
-    "PeerGroup",
-    "RankProgram",
-    "ReshardMessage",
-    "ReshardReceiver",
-    "ReshardSender",
-    "ReshardStats",
-    "TorchP2PWire",
-    "Transfer",
-    "adopt",
-    "copy_tensors",
-    "default_copy_threads",
-    "flat_block",
+    "DEFAULT_SERVING_TIMEOUT_S",
+    "DEFAULT_SYNC_TIMEOUT_S",
+    "DTYPES",
+    "LLAMA_STACKED_PARAMS",
+    "WEIGHT_BUFFER_STRATEGIES",
+    "Assembly",
+    "AssemblyPart",
     "BroadcastReceiver",
     "BroadcastSender",
+    "BucketConsumer",
+    "BucketSpec",
     "BucketTarget",
-    "Control",
-    "Header",
-    "RendezvousTimeoutError",
+    "BufferBase",
+    "Cast",
+    "ChecksumMismatchError",
     "ControlBlock",
     "CudaIpcReceiver",
     "CudaIpcSender",
-    "NcclReceiver",
-    "NcclSender",
-    "NcclWire",
-    "ShardedBuffer",
-    "balanced_ranges",
-    "SyncStats",
-    "TensorTarget",
-    "TorchWire",
-    "bucket_segments",
-    "check_in",
-    "connect_store",
-    "host_store",
-    "init_process_group_bounded",
-    "map_dist_error",
-    "MemberGroup",
-    "MemberWire",
-    "new_group_bounded",
-    "reset_group_numbering",
-    "ALIGNMENT",
-    "Backoff",
     "Deadline",
-    "Watchdog",
-    "armed_watchdogs",
-    "stand_down",
-    "stand_down_armed_watchdogs",
-    "BufferBase",
+    "DeferredCommit",
     "DirectBuffer",
+    "DirectEndpoint",
+    "DiscardingConsumer",
     "DoubleBuffer",
-    "ServingLock",
-    "live_tensors",
-    "OffloadStats",
-    "is_offloaded",
-    "offload_module",
-    "offload_optimizer",
-    "reload_module",
-    "reload_optimizer",
-    "SharedBuffer",
-    "SharedBufferReader",
-    "SharedSegment",
-    "cleanup_stale_segments",
-    "process_alive",
-    "ShmRingReceiver",
-    "ShmRingSender",
-    "DEFAULT_BUCKET_BYTES",
-    "DTYPES",
-    "BucketConsumer",
-    "BucketSpec",
-    "ChecksumMismatchError",
+    "DoubleEndpoint",
+    "Drop",
+    "Fuse",
     "IncompleteSyncError",
     "Layout",
     "LayoutMismatchError",
-    "MetadataError",
-    "PeerLostError",
-    "SyncAbortedError",
-    "SyncTimeoutError",
-    "TensorSpec",
-    "VersionError",
-    "WeightSyncError",
-    "__version__",
-    "bucket_checksum",
-    "bucket_starts",
-    "bucket_views",
-    "checksum",
-    "compare_fingerprints",
-    "dtype_from_name",
-    "dtype_name",
-    "fingerprint",
-    "flat_views",
-    "pack_all",
-    "pack_bucket",
-    "typed_view",
-    "unpack_bucket_into",
-    # load_weights receivers, transforms, feeding a consumer from a stream
-    "LLAMA_STACKED_PARAMS",
-    "Cast",
-    "Drop",
-    "Fuse",
     "LoadWeights",
     "LoadWeightsConsumer",
+    "MemberGroup",
+    "MetadataError",
+    "NcclP2PWire",
+    "NcclReceiver",
+    "NcclSender",
+    "NcclWire",
+    "OffloadStats",
+    "P2PWire",
     "PartialLoadError",
+    "PeerGroup",
+    "PeerLostError",
+    "RankProgram",
+    "RecordingConsumer",
     "Rename",
-    "TransformChain",
-    "WeightTransform",
-    "apply_transforms",
-    "feed",
-    "full_tensors",
-    "layout_entries",
-    "plan_transforms",
+    "RendezvousTimeoutError",
+    "ReshardReceiver",
+    "ReshardSender",
+    "ReshardStats",
     "Roster",
+    "ServingLock",
+    "ShardedBuffer",
+    "ShardedEndpoint",
+    "SharedBuffer",
+    "SharedBufferReader",
+    "SharedEndpoint",
+    "SharedSegment",
+    "ShmRingReceiver",
+    "ShmRingSender",
     "SlotsStillMappedError",
-    "join_generation",
+    "SyncAbortedError",
+    "SyncStats",
+    "SyncTimeoutError",
+    "TensorSpec",
+    "TensorTarget",
+    "TorchP2PWire",
+    "Transfer",
+    "TransformChain",
+    "TransportReceiver",
     "UnsafeSegmentError",
+    "VersionError",
+    "Watchdog",
+    "WeightBufferStrategy",
+    "WeightEndpoint",
+    "WeightSyncError",
+    "WeightTransform",
+    "WorkerWeights",
+    "__version__",
+    "adopt",
+    "apply_transforms",
+    "armed_watchdogs",
+    "balanced_ranges",
+    "bucket_checksum",
+    "bucket_segments",
+    "bucket_starts",
+    "bucket_views",
     "caller_deadline",
+    "check_in",
+    "check_strategy",
+    "checksum",
+    "cleanup_stale_segments",
+    "commit_consumer",
+    "compare_fingerprints",
+    "connect_store",
+    "copy_tensors",
+    "create_endpoint",
     "current_deadline",
+    "default_copy_threads",
+    "dtype_from_name",
+    "dtype_name",
+    "feed",
+    "fingerprint",
+    "flat_block",
+    "flat_views",
+    "full_tensors",
+    "host_store",
+    "init_process_group_bounded",
     "install_termination_cleanup",
+    "is_offloaded",
+    "join_generation",
+    "layout_entries",
+    "live_tensors",
+    "module_part_buffer",
+    "new_group_bounded",
+    "offload_module",
+    "offload_optimizer",
+    "pack_all",
+    "pack_bucket",
+    "plan_transforms",
+    "process_alive",
+    "reload_module",
+    "reload_optimizer",
+    "reset_group_numbering",
+    "stand_down_armed_watchdogs",
+    "typed_view",
+    "unpack_bucket_into",
 ]

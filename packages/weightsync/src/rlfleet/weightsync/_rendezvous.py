@@ -35,7 +35,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from rlfleet.weightsync._deadline import Backoff, Deadline
-from rlfleet.weightsync._errors import MetadataError, SyncTimeoutError, WeightSyncError
+from rlfleet.weightsync._errors import (
+    MetadataError,
+    RendezvousTimeoutError,
+    WeightSyncError,
+)
 from rlfleet.weightsync._json import decode_json
 
 __all__ = [
@@ -55,14 +59,6 @@ __all__ = [
 DEFAULT_GROUP_TIMEOUT_S = 300.0
 
 _T = TypeVar("_T")
-
-
-class RendezvousTimeoutError(SyncTimeoutError):
-    """Some ranks did not join in time; `missing` names them."""
-
-    def __init__(self, message: str, missing: Sequence[int]) -> None:
-        super().__init__(message)
-        self.missing = list(missing)
 
 
 def _parse_tcp(init_method: str) -> tuple[str, int]:
