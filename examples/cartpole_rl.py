@@ -373,7 +373,7 @@ def run_loop(
             with timings("sync"):
                 report = group.sync_weights()
             if report is not None:
-                bar.console.print(f"iter {it:>3} sync {report.summary()}")
+                print(f"iter {it:>3} sync {report.summary()}")  # above the bar (rich redirects stdout)
             if it % args.verify_every == 0:
                 with timings("verify"):
                     if not group.verify_eval_weight_consistency():

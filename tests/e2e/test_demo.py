@@ -42,4 +42,7 @@ def test_short_demo_runs_versions_advance_and_weights_agree(tmp_path: Path, stra
     assert int(match.group(1)) == iterations + 1
     assert {int(v) for v in match.group(2).split(",")} == {iterations + 1}
     assert (tmp_path / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "transfer_plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the plan that ran, drawn with what the last sync measured; one summary line per sync
+    assert (tmp_path / "sync_plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summaries = re.findall(r"sync v(\d+) ok .* s measured / .* s predicted", proc.stdout)
+    assert [int(v) for v in summaries] == list(range(1, iterations + 2)), proc.stdout[-2000:]
