@@ -9,9 +9,9 @@ over it and the next sync brings every eval policy to its weights):
   SIGKILLed mid-publish; the buffer must still hold the unread version (else a version is lost);
 - other phases, SIGTERM of the trainer at a random moment of a sync: its segments must be gone
   once it is.
-A third class, a commit that fails after the vote, is a hook (``--commit-faults``): an eval's
-buffer refuses in `prepare_commit`, which fires only where the wire calls it (weightsync's
-protocol work); off by default.
+The third class, a commit that fails after the vote, arms an eval (`soak.py`'s fault points):
+its buffer refuses in `prepare_commit` (called before the vote for a buffer a transport commits;
+at the swap for a rolling update's staged version), and the next sync must go through.
 """
 
 from __future__ import annotations

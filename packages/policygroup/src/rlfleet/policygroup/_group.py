@@ -238,7 +238,7 @@ class PolicyGroup:
         """Move the trainers' weights to every rollout worker as the next version (staged);
         returns what it measured (None when there is no rollout worker)."""
         with self._lock:
-            self._sync.last = self._sync.send(self._sync.version + 1)
+            self._sync.last = self._sync.send(self._sync.next_version())
             return self._sync.last.report
 
     def notify_update_weights(self) -> None:

@@ -4,9 +4,9 @@
 
 The plan is re-made whenever the group changes (a worker died, joined, was popped or
 converted) and, before the next send, only what `SyncPlan.diff` says changed is rebuilt. One
-deadline (``sync_timeout_s`` from the start of `send_weights`) bounds every step of a send,
-its retry included. A rollout worker that died is dropped and the version is sent once more to
-the survivors; a dead trainer is an error.
+deadline (``sync_timeout_s`` from the start of an attempt) bounds every step of it. A rollout
+worker that died is dropped and the version is sent once more to the survivors (a second
+attempt); a dead trainer is an error. A version number a failed send used is never used again.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class WeightSync:
         self.wired: SyncPlan | None = None  # what the workers are wired for
         self.layout: dict[str, Any] | None = None
         self.version = 0
+        self.attempted = 0  # the highest version a send began
         self.staged: int | None = None
         self.last: SyncOutcome | None = None
         self.report: SyncReport | None = None
@@ -140,10 +141,19 @@ class WeightSync:
         self.wiring.form(plan, backend)
 
     # -- a run ----------------------------------------------------------------------------
-    def send(self, version: int, retry: bool = True, deadline_at: float | None = None) -> SyncOutcome:
-        """Stage `version` on every rollout worker ("None": applied in place, the workers drained)."""
+    def next_version(self) -> int:
+        """The number the next send uses: never one a failed send used (some receivers may hold
+        it, with the trainers' weights of then)."""
+        return max(self.version, self.attempted) + 1
+
+    def send(self, version: int, retry: bool = True) -> SyncOutcome:
+        """Stage `version` on every rollout worker ("None": applied in place, the workers drained).
+
+        Every step of one attempt shares one deadline (``sync_timeout_s`` from its start); the
+        retry for the survivors of a death is a second attempt with its own."""
         roster, start = self.roster, time.perf_counter()
-        deadline_at = time.time() + self.config.sync_timeout_s if deadline_at is None else deadline_at
+        self.attempted = max(self.attempted, version)
+        deadline_at = time.time() + self.config.sync_timeout_s
         if not roster.train_list:
             raise PolicyGroupError("send_weights: the group has no trainer")
         if self.strategy is None:
@@ -182,7 +192,7 @@ class WeightSync:
                 self.applied(version)
             self.staged = version
             return SyncOutcome(version, len(plan.steps), time.perf_counter() - start, report=self.report)
-        return self._recover(version, failed, retry, start, deadline_at)
+        return self._recover(version, failed, retry, start)
 
     def _recover(
         self,
@@ -190,10 +200,9 @@ class WeightSync:
         failed: list[tuple[Policy, BaseException]],
         retry: bool,
         start: float,
-        deadline_at: float,
     ) -> SyncOutcome:
         """After a failed run: a dead trainer raises; dead rollout workers are dropped and the
-        survivors get the version once more (same deadline); otherwise the clearest error is raised."""
+        survivors get the version once more; otherwise the clearest error is raised."""
         roster = self.roster
         for p, err in failed:
             if is_dead(err) and roster.is_trainer(p):
@@ -214,7 +223,7 @@ class WeightSync:
                 len(roster.eval_list),
             )
             # "None" applied in place wherever the first try got through: resend as the next version
-            again = self.send(version + 1 if self.strategy == "None" else version, False, deadline_at)
+            again = self.send(version + 1 if self.strategy == "None" else version, False)
             seconds = time.perf_counter() - start
             return SyncOutcome(again.version, again.steps, seconds, tuple(dropped), again.report)
         p, err = min(failed, key=lambda f: vagueness(f[1]))
