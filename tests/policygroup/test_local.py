@@ -62,10 +62,13 @@ def test_local_sync_rollout_and_checks(strategy: str, kind: str) -> None:
 
 
 class _SlowWriter(MLPPolicy):
-    """A trainer whose node-buffer write takes longer than the whole sync may."""
+    """A trainer whose node-buffer write takes longer than the whole sync may (while `slow`)."""
+
+    slow = True
 
     def publish_shared(self, version: int, timeout_s: float) -> int:
-        time.sleep(timeout_s + 0.2)
+        if self.slow:
+            time.sleep(timeout_s + 0.2)
         return super().publish_shared(version, timeout_s)
 
 
@@ -91,6 +94,13 @@ def test_one_deadline_bounds_every_step_of_a_sync() -> None:
         assert report is not None
         assert not report.ok
         assert "deadline" in str(report.error)
+        # the failed sync left version 1 (of the weights of then) in the node buffer: the next
+        # sync, after more training, must not reuse that number and serve those bytes
+        group.train_list[0].slow = False
+        group.train(None, seed=3)
+        group.sync_weights()
+        assert group.eval_weight_versions() == [2, 2, 2]
+        assert group.verify_eval_weight_checksums()
     finally:
         group.shutdown()
 
