@@ -107,6 +107,15 @@ from rlfleet.weightsync._shm import (
     process_alive,
 )
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
+from rlfleet.weightsync._sync_watch import (
+    WIRE_TIMEOUT_S,
+    SyncWatch,
+    WatchedBroadcastReceiver,
+    WatchedBroadcastSender,
+    WatchedDeadline,
+    WatchedP2PWire,
+    WatchedWire,
+)
 from rlfleet.weightsync._strategy import WEIGHT_BUFFER_STRATEGIES, WeightBufferStrategy, check_strategy
 from rlfleet.weightsync._transforms import (
     LLAMA_STACKED_PARAMS,
@@ -265,4 +274,12 @@ __all__ = [
     "commit_consumer",
     "create_endpoint",
     "module_part_buffer",
+    # deadlines a controller can stand down (the watchdog enforces them, not the wire)
+    "WIRE_TIMEOUT_S",
+    "SyncWatch",
+    "WatchedBroadcastReceiver",
+    "WatchedBroadcastSender",
+    "WatchedDeadline",
+    "WatchedP2PWire",
+    "WatchedWire",
 ]
