@@ -14,6 +14,7 @@ watchdog (`SyncWatch`) that `stand_down_refit_watchdog` can lift.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -143,8 +144,10 @@ class EngineRefit:
         if self.watch.in_flight:
             raise CommGroupError("connect_sglang_rollout_engines: a refit to the engines is in flight")
         what = f"refit group of {len(engines.gpu_counts)} rollout engines"
-        self.group = None
-        self._ends.clear()
+        if self.group is not None:  # leave the old group now: its peers learn it from its sockets
+            self.group = None
+            self._ends.clear()
+            gc.collect()  # a failed sync's traceback may hold it in a reference cycle
         group = member_group(store, engines.prefix, range(engines.size), rank, timeout_s, backend, what)
         self.engines, self.rank, self.group, self.broken = engines, rank, group, None
         self.state.update(

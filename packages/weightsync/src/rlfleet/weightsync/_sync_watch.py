@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -127,15 +128,19 @@ class SyncWatch:
         self.fired = 0
         self.stood_down = 0
         self._lock = threading.Lock()
-        self._groups: list[Any] = []
+        self._groups: list[weakref.ref[Any]] = []
         self._watchdog: _SyncWatchdog | None = None
         self._wakes: set[threading.Event] = set()
 
     def watch_group(self, group: Any) -> None:
-        """Abort `group` (NCCL; gloo has no abort that unblocks a wait) when a watchdog fires."""
+        """Abort `group` (NCCL; gloo has no abort that unblocks a wait) when a watchdog fires.
+
+        Held weakly: a group its owner dropped is destroyed as usual (its sockets close, which
+        is how its peers learn that it is gone).
+        """
         with self._lock:
-            if all(g is not group for g in self._groups):
-                self._groups.append(group)
+            self._groups = [ref for ref in self._groups if ref() is not None and ref() is not group]
+            self._groups.append(weakref.ref(group))
 
     @property
     def in_flight(self) -> bool:
@@ -162,9 +167,9 @@ class SyncWatch:
 
     def _fire(self) -> None:
         with self._lock:
-            wakes, groups = list(self._wakes), list(self._groups)
+            wakes, groups = list(self._wakes), [ref() for ref in self._groups]
         for group in groups:
-            if "nccl" in _backend_name(group):  # pragma: no cover - needs GPUs
+            if group is not None and "nccl" in _backend_name(group):  # pragma: no cover - needs GPUs
                 try:
                     group.abort()
                 except Exception:
