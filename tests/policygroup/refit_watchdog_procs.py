@@ -83,7 +83,8 @@ def worker(role: str, stand_down: bool, port: int, events: dict[str, Any], queue
     try:
         policy = Tiny(PolicyConfig(group_timeout_s=60.0), role=role, index=0, device="cpu")
         train = role == "train"
-        policy.init_nccl_reshard_comm_group(["127.0.0.1"], [port], 1, 0 if train else -1, 2, 0 if train else 1)
+        stage, member = (0, 0) if train else (-1, 1)
+        policy.init_nccl_reshard_comm_group(["127.0.0.1"], [port], 1, stage, 2, member)
         policy.prepare_nccl_reshard_refit_info(TRAIN, GEN, 1, 1)
         if train:
             version_weights(policy, 1)
@@ -116,7 +117,8 @@ def run(timeout: float = 200.0) -> dict[tuple[str, bool], dict[str, Any]]:
         kept.append(events)
         port = free_port()
         for role in ("train", "eval"):
-            procs.append(ctx.Process(target=worker, args=(role, stand_down, port, events, queue), daemon=True))
+            args = (role, stand_down, port, events, queue)
+            procs.append(ctx.Process(target=worker, args=args, daemon=True))
     for p in procs:
         p.start()
     results: dict[tuple[str, bool], dict[str, Any]] = {}

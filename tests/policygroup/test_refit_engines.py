@@ -27,7 +27,8 @@ def test_engines_receive_each_version_bit_exact(results: Results) -> None:
         for version in (1, 2):
             assert results[key][f"v{version}"] == {"version": version, "exact": True}, key
     for key in TRAINERS:
-        assert results[key]["v1"]["ok"] and results[key]["v2"]["ok"]
+        assert results[key]["v1"]["ok"]
+        assert results[key]["v2"]["ok"]
         assert results[key]["v2"]["value"]["version"] == 2
 
 
@@ -58,8 +59,13 @@ def test_transport_state_is_plain_json(results: Results) -> None:
     assert state["bucket_bytes"] == procs.BUCKET
     assert state["broken"] is None
     collective = results[("trainer", (0, 0))]["collective"]
-    assert collective["train_world_size"] == 2 and collective["world_size"] == procs.WORLD
-    assert collective["rank"] == 0 and collective["backend"] == "gloo"
+    assert collective == {
+        "address": collective["address"],
+        "world_size": procs.WORLD,
+        "train_world_size": 2,
+        "rank": 0,
+        "backend": "gloo",
+    }
 
 
 @pytest.mark.timeout(300)
@@ -85,7 +91,7 @@ def test_a_recovered_engine_is_connected_anew_and_receives(results: Results) -> 
         assert (state["connects"], state["version"], state["broken"]) == (2, 3, None)
     for key in [*ENGINES, ("recovered", procs.DYING)]:
         if key != ("engine", procs.DYING):
-            assert results[key]["v3_again"] == 3 and results[key]["exact"], key
+            assert (results[key]["v3_again"], results[key]["exact"]) == (3, True), key
 
 
 class _Tiny(BasePolicy):

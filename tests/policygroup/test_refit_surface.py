@@ -19,29 +19,35 @@ from rlfleet.policygroup import BasePolicy, PolicyConfig
 
 #: The seed's attributes and methods, as the seed writes them (types it imports are Any here).
 SEED_ATTRIBUTES = ("model_update_group", "pp_comm_group")
-SEED_METHODS = """
-init_collective(ip: str, port: int, world_size: int, *, train_world_size: int, nccl_peer: str = 'nemo') -> None
-init_nccl_reshard_comm_group(pp_ips: list[str], pp_ports: list[int], pp_size: int, my_pp_stage: int, sub_world_size: int, my_rank_in_group: int) -> None
-prepare_nccl_reshard_refit_info(train_parallelism: dict[str, int], gen_parallelism: dict[str, int], train_world_size: int, gen_world_size: int) -> dict[str, Any]
-nccl_reshard_refit(kv_scales: Optional[dict[str, float]] = None, refit_timeout_s: Optional[float] = None) -> None
-_refit_transport_state(key: str) -> dict
-connect_sglang_rollout_engines(*, engine_gpu_counts: list[int], engine_gpu_offsets: Optional[list[int]] = None) -> None
-stand_down_refit_watchdog() -> int
-is_alive() -> bool
-reset_peak_memory_stats() -> None
-get_gpu_info() -> dict[str, Any]
-report_device_id() -> str
-get_zmq_address() -> str
-maybe_init_zmq() -> None
-get_free_memory_bytes() -> int
-shutdown() -> bool
-start_gpu_profiling() -> None
-stop_gpu_profiling() -> None
-report_node_ip_and_gpu_id() -> tuple[str, int]
-get_reference_policy_logprobs(*, data: BatchedDataDict[Any], micro_batch_size: Optional[int] = None) -> BatchedDataDict[ReferenceLogprobOutputSpec]
-finalize_async_save() -> None
-finish_training(*args: Any, **kwargs: Any) -> None
-"""
+SEED_METHODS = (
+    "init_collective(ip: str, port: int, world_size: int, *, train_world_size: int, "
+    "nccl_peer: str = 'nemo') -> None",
+    "init_nccl_reshard_comm_group(pp_ips: list[str], pp_ports: list[int], pp_size: int, "
+    "my_pp_stage: int, sub_world_size: int, my_rank_in_group: int) -> None",
+    "prepare_nccl_reshard_refit_info(train_parallelism: dict[str, int], gen_parallelism: dict[str, int], "
+    "train_world_size: int, gen_world_size: int) -> dict[str, Any]",
+    "nccl_reshard_refit(kv_scales: Optional[dict[str, float]] = None, "
+    "refit_timeout_s: Optional[float] = None) -> None",
+    "_refit_transport_state(key: str) -> dict",
+    "connect_sglang_rollout_engines(*, engine_gpu_counts: list[int], "
+    "engine_gpu_offsets: Optional[list[int]] = None) -> None",
+    "stand_down_refit_watchdog() -> int",
+    "is_alive() -> bool",
+    "reset_peak_memory_stats() -> None",
+    "get_gpu_info() -> dict[str, Any]",
+    "report_device_id() -> str",
+    "get_zmq_address() -> str",
+    "maybe_init_zmq() -> None",
+    "get_free_memory_bytes() -> int",
+    "shutdown() -> bool",
+    "start_gpu_profiling() -> None",
+    "stop_gpu_profiling() -> None",
+    "report_node_ip_and_gpu_id() -> tuple[str, int]",
+    "get_reference_policy_logprobs(*, data: BatchedDataDict[Any], "
+    "micro_batch_size: Optional[int] = None) -> BatchedDataDict[ReferenceLogprobOutputSpec]",
+    "finalize_async_save() -> None",
+    "finish_training(*args: Any, **kwargs: Any) -> None",
+)
 #: The calls issue 16 added or gave their meaning: exactly the seed's signature.
 EXACT = (
     "_refit_transport_state",
@@ -55,7 +61,7 @@ EXACT = (
 def seed_signatures() -> dict[str, inspect.Signature]:
     """Each seed line as a stub function's signature (annotations kept as text)."""
     out = {}
-    for line in SEED_METHODS.strip().splitlines():
+    for line in SEED_METHODS:
         name, rest = line.split("(", 1)
         params, returns = rest.rsplit(") -> ", 1)
         namespace: dict[str, Any] = {}

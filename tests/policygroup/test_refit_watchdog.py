@@ -31,7 +31,9 @@ def test_both_sides_refit_version_one_first(results: dict[tuple[str, bool], dict
 
 
 @pytest.mark.timeout(300)
-def test_stand_down_returns_at_once_with_the_armed_refit(results: dict[tuple[str, bool], dict[str, Any]]) -> None:
+def test_stand_down_returns_at_once_with_the_armed_refit(
+    results: dict[tuple[str, bool], dict[str, Any]],
+) -> None:
     gen = results[STOOD]
     assert gen["stood_down"] >= 1
     # it returned while the refit it stood down was still blocked: it waited for nothing

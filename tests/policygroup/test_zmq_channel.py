@@ -43,9 +43,8 @@ def policy() -> Iterator[Tiny]:
 
 
 def peer(address: str, *modes: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(PEER), address, *modes], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    command = [sys.executable, str(PEER), address, *modes]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finished(proc: subprocess.Popen[str]) -> list[dict[str, Any]]:
@@ -61,7 +60,8 @@ def test_the_address_is_private_and_stable(policy: Tiny) -> None:
     assert address.startswith("ipc://")
     directory = os.path.dirname(address[len("ipc://") :])
     info = os.stat(directory)
-    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    assert stat.S_IMODE(info.st_mode) == 0o700
+    assert info.st_uid == os.getuid()
     state = policy._refit_transport_state("zmq")
     assert json.loads(json.dumps(state)) == {"address": address, "transport": "ipc", "requests": 0}
 
@@ -71,7 +71,8 @@ def test_a_peer_process_exchanges_a_json_handshake(policy: Tiny) -> None:
     proc = peer(policy.get_zmq_address(), "hello", "hello")
     for n in (1, 2):
         reply = policy.zmq_request({"type": "hello", "worker": "trainer 0", "n": n}, timeout_s=60)
-        assert reply == {"type": "hello", "engine": "peer", "echo": {"type": "hello", "worker": "trainer 0", "n": n}}
+        echo = {"type": "hello", "worker": "trainer 0", "n": n}
+        assert reply == {"type": "hello", "engine": "peer", "echo": echo}
     seen = finished(proc)
     assert [s["request"]["n"] for s in seen] == [1, 2]
     assert policy._refit_transport_state("zmq")["requests"] == 2

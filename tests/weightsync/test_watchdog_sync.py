@@ -56,8 +56,9 @@ def test_a_guard_whose_watchdog_fires_counts_it() -> None:
 
 def test_one_sync_at_a_time_per_watch() -> None:
     watch = SyncWatch("unit")
-    with watch.guard(30.0, "first"), pytest.raises(RuntimeError, match="still in flight"), watch.guard(30.0, "second"):
-        pass
+    with watch.guard(30.0, "first"), pytest.raises(RuntimeError, match="still in flight"):  # noqa: SIM117
+        with watch.guard(30.0, "second"):
+            pass
     with watch.guard(30.0, "third"):  # the failed second guard left the watch usable
         pass
 
@@ -74,7 +75,7 @@ def test_a_stood_down_guard_keeps_a_plain_deadline_plain() -> None:
 def test_watched_and_plain_ends_speak_one_protocol_bit_exact() -> None:
     res = w.run_ranks(ww.scenario_broadcast, 3)
     for rank in (1, 2):
-        assert res[rank]["v1"] and res[rank]["v2"]
+        assert (res[rank]["v1"], res[rank]["v2"]) == (True, True)
     for rank in (0, 2):
         assert (res[rank]["fired"], res[rank]["stood_down"]) == (0, 0)
 

@@ -64,8 +64,7 @@ class RolloutEngines:
         cls, train_world_size: int, gpu_counts: Sequence[int], gpu_offsets: Sequence[int] | None = None
     ) -> RolloutEngines:
         """Check and build; the engines' ranks must tile ``0..N-1`` (no gap, no overlap)."""
-        if isinstance(train_world_size, bool) or not isinstance(train_world_size, int) or train_world_size < 1:
-            raise ValueError(f"train_world_size must be an int >= 1, got {train_world_size!r}")
+        _ints([train_world_size], "train_world_size", 1)
         counts = _ints(gpu_counts, "engine_gpu_counts", 1)
         if not counts:
             raise ValueError("engine_gpu_counts is empty: at least one rollout engine is needed")
@@ -133,9 +132,7 @@ class EngineRefit:
         self._ends: dict[str, WatchedBroadcastSender | WatchedBroadcastReceiver] = {}
         self.broken: str | None = None
 
-    def connect(
-        self, engines: RolloutEngines, store: Any, rank: int, backend: str, timeout_s: float
-    ) -> bool:
+    def connect(self, engines: RolloutEngines, store: Any, rank: int, backend: str, timeout_s: float) -> bool:
         """Form the group (False: already formed for this topology and still usable)."""
         if not 0 <= rank < engines.train_world_size:
             raise ValueError(f"trainer rank {rank} is outside train_world_size {engines.train_world_size}")
@@ -192,8 +189,8 @@ class EngineRefit:
             self.broken = f"{type(exc).__name__}: {exc}"
             self.state["broken"] = self.broken
             raise
-        last = {"version": stats.version, "buckets": stats.buckets, "wire_bytes": stats.wire_bytes}
-        last["seconds"] = stats.seconds
+        last: dict[str, Any] = {"version": stats.version, "buckets": stats.buckets}
+        last.update(wire_bytes=stats.wire_bytes, seconds=stats.seconds)
         self.state.update(
             version=stats.version,
             layout_digest=layout.digest,

@@ -267,7 +267,11 @@ class ReshardWorkerMixin:
         refit.update(version=self._weights.version, last=self.get_reshard_stats())
 
     def _reshard_refit(
-        self, state: _ReshardState, kv_scales: dict[str, float] | None, version: int | None, deadline: Deadline
+        self,
+        state: _ReshardState,
+        kv_scales: dict[str, float] | None,
+        version: int | None,
+        deadline: Deadline,
     ) -> None:
         if state.sender is not None:
             v = self._weights.version + 1 if version is None else int(version)

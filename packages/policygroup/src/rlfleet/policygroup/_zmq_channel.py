@@ -138,7 +138,8 @@ class RefitChannel:
     def _poll(self, event: int, deadline: Deadline, what: str) -> None:
         left = deadline.remaining_or(self.timeout_s)
         if not self._socket.poll(timeout=int(left * 1000), flags=event):
-            raise SyncTimeoutError(f"refit channel {self.address}: {what} timed out after {deadline.elapsed:.1f}s")
+            elapsed = deadline.elapsed
+            raise SyncTimeoutError(f"refit channel {self.address}: {what} timed out after {elapsed:.1f}s")
 
     def close(self) -> None:
         """Close the socket and remove its private directory (also done when garbage collected)."""

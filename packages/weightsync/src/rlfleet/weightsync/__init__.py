@@ -107,6 +107,7 @@ from rlfleet.weightsync._shm import (
     process_alive,
 )
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
+from rlfleet.weightsync._strategy import WEIGHT_BUFFER_STRATEGIES, WeightBufferStrategy, check_strategy
 from rlfleet.weightsync._sync_watch import (
     WIRE_TIMEOUT_S,
     SyncWatch,
@@ -116,7 +117,6 @@ from rlfleet.weightsync._sync_watch import (
     WatchedP2PWire,
     WatchedWire,
 )
-from rlfleet.weightsync._strategy import WEIGHT_BUFFER_STRATEGIES, WeightBufferStrategy, check_strategy
 from rlfleet.weightsync._transforms import (
     LLAMA_STACKED_PARAMS,
     Cast,
