@@ -4,6 +4,7 @@ then real gloo in spawned processes."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -61,6 +62,16 @@ def test_one_sync_at_a_time_per_watch() -> None:
             pass
     with watch.guard(30.0, "third"):  # the failed second guard left the watch usable
         pass
+
+
+def test_a_guard_without_a_limit_arms_nothing() -> None:
+    watch = SyncWatch("unit")
+    for unlimited in (None, math.inf):
+        with watch.guard(unlimited, "no limit") as deadline:
+            assert watch.in_flight
+            assert deadline.remaining() is None
+            assert not any(d.name == "unit: no limit" for d in armed_watchdogs())
+    assert (watch.fired, watch.stood_down) == (0, 0)
 
 
 def test_a_stood_down_guard_keeps_a_plain_deadline_plain() -> None:

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -130,6 +131,7 @@ class SyncWatch:
         self._lock = threading.Lock()
         self._groups: list[weakref.ref[Any]] = []
         self._watchdog: _SyncWatchdog | None = None
+        self._in_flight: str | None = None
         self._wakes: set[threading.Event] = set()
 
     def watch_group(self, group: Any) -> None:
@@ -144,26 +146,32 @@ class SyncWatch:
 
     @property
     def in_flight(self) -> bool:
-        return self._watchdog is not None
+        return self._in_flight is not None
 
     @contextlib.contextmanager
-    def guard(self, timeout_s: float, what: str) -> Iterator[WatchedDeadline]:
-        """Arm a watchdog of `timeout_s` around one sync; yields the deadline it enforces."""
+    def guard(self, timeout_s: float | None, what: str) -> Iterator[WatchedDeadline]:
+        """Arm a watchdog of `timeout_s` around one sync; yields the deadline it enforces.
+
+        ``None`` or ``math.inf``: no limit and no watchdog (the caller asked for none).
+        """
         deadline = WatchedDeadline(timeout_s)
-        watchdog = _SyncWatchdog(timeout_s, deadline, self, f"{self.name}: {what}")
+        name = f"{self.name}: {what}"
+        watchdog = None if deadline.seconds is None else _SyncWatchdog(deadline.seconds, deadline, self, name)
         with self._lock:
-            if self._watchdog is not None:
-                raise RuntimeError(f"{self.name}: {what} while {self._watchdog.name} is still in flight")
-            self._watchdog = watchdog
-        watchdog.arm()
+            if self._in_flight is not None:
+                raise RuntimeError(f"{self.name}: {what} while {self._in_flight!r} is still in flight")
+            self._in_flight, self._watchdog = what, watchdog
+        if watchdog is not None:
+            watchdog.arm()
         try:
             yield deadline
         finally:
-            watchdog.disarm()
+            if watchdog is not None:
+                watchdog.disarm()
             with self._lock:
-                self._watchdog = None
-                self.fired += watchdog.fired
-                self.stood_down += watchdog.stood_down
+                self._in_flight = self._watchdog = None
+                self.fired += watchdog is not None and watchdog.fired
+                self.stood_down += watchdog is not None and watchdog.stood_down
 
     def _fire(self) -> None:
         with self._lock:
@@ -192,20 +200,44 @@ class SyncWatch:
         watchdog = self._watchdog
         if watchdog is not None and watchdog.fired:
             raise self._fired_error(watchdog, what)
-        if not p2p and work.is_completed():
-            outcome: dict[str, BaseException | None] = {"error": None}
-            _finish(work, p2p, outcome)
+        if not p2p and "gloo" in _backend_name(group):
+            error = self._wait_in_slices(work, deadline, what, watchdog)
         else:
-            outcome = self._wait_on_helper(work, deadline, what, p2p, group, watchdog)
-        error = outcome["error"]
+            error = self._wait_on_helper(work, deadline, what, p2p, group, watchdog)["error"]
         if error is not None:
             raise map_dist_error(error, what) from error
         if watchdog is not None and watchdog.fired:  # an aborted NCCL collective may return quietly
             raise self._fired_error(watchdog, what)
 
+    def _wait_in_slices(
+        self, work: Any, deadline: Deadline, what: str, watchdog: _SyncWatchdog | None
+    ) -> BaseException | None:
+        """A gloo collective: its wait may time out and be waited again, so it needs no helper.
+
+        Each slice ends where the deadline does; then either the watchdog fired (a timeout) or
+        it was stood down (the next slice has no clock but the group's own).
+        """
+        limit = deadline if watchdog is None else watchdog.deadline
+        while True:
+            left = limit.remaining()
+            if left is not None and left <= 0:
+                raise deadline.error(what) if watchdog is None else self._fired_error(watchdog, what)
+            try:
+                work.wait(timedelta(seconds=WIRE_TIMEOUT_S if left is None else max(left, 0.001)))
+                return None
+            except Exception as exc:
+                if work.is_completed():  # the collective itself failed (not our slice)
+                    return exc
+
     def _wait_on_helper(
         self, work: Any, deadline: Deadline, what: str, p2p: bool, group: Any, watchdog: _SyncWatchdog | None
     ) -> dict[str, BaseException | None]:
+        """A wait that cannot be sliced (gloo's send and receive close the pair when a timed wait
+        ends; NCCL's) runs on a helper; the caller wakes on its end or on the watchdog firing."""
+        if work.is_completed():
+            done: dict[str, BaseException | None] = {}
+            _finish(work, p2p, done)
+            return done
         wake = threading.Event()
         outcome: dict[str, BaseException | None] = {}
 
@@ -218,7 +250,7 @@ class SyncWatch:
         with self._lock:
             self._wakes.add(wake)
         try:
-            threading.Thread(target=run, name=f"rlfleet-wait-{self.name}", daemon=True).start()
+            _HELPERS.run(run)
             limit = WIRE_TIMEOUT_S if watchdog is not None else deadline.remaining_or(WIRE_TIMEOUT_S)
             wake.wait(limit)
         finally:
@@ -231,6 +263,39 @@ class SyncWatch:
         if watchdog is None and deadline.expired:
             raise deadline.error(what)
         raise SyncTimeoutError(f"{what} timed out: the group's own {WIRE_TIMEOUT_S:.0f}s timeout passed")
+
+
+class _Helpers:
+    """Daemon threads that wait on torch works, reused from one wait to the next.
+
+    Daemon threads, and not an executor's: a wait abandoned to a fired watchdog may block until
+    its peer goes, and must not hold up the interpreter's exit.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def run(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            reuse = self._idle > 0
+            self._idle -= reuse
+        if reuse:
+            self._jobs.put(job)
+        else:
+            threading.Thread(target=self._loop, args=(job,), name="rlfleet-wire-wait", daemon=True).start()
+
+    def _loop(self, job: Callable[[], None] | None) -> None:
+        while job is not None:
+            job()
+            job = None  # drop its references (a group among them) before idling
+            with self._lock:
+                self._idle += 1
+            job = self._jobs.get()
+
+
+_HELPERS = _Helpers()
 
 
 def _finish(work: Any, p2p: bool, outcome: dict[str, BaseException | None]) -> None:
