@@ -55,9 +55,7 @@ and reads VmHWM after it; "extra" is the peak above the RSS before the run.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import socket
 import sys
@@ -67,6 +65,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from _claims import arguments, claim, report
 from _state import GiB, MiB, build_state, model_spec
 
 
@@ -312,12 +311,6 @@ def run_processes(cfg: dict[str, Any], world: int, timeout: float) -> dict[int, 
     return results
 
 
-def _claim(value: float, target: float, unit: str, higher: bool = True) -> dict[str, Any]:
-    value = round(value, 2)  # the reporting precision: RSS is counted in pages
-    ok = value >= target if higher else value <= target
-    return {"value": round(value, 4), "target": target, "unit": unit, "ok": bool(ok)}
-
-
 def part2(args: Any) -> dict[str, dict[str, Any]]:
     """Run the gloo comparison; print a table; return the claims."""
     quick = bool(getattr(args, "quick", False))
@@ -368,52 +361,22 @@ def part2(args: Any) -> dict[str, dict[str, Any]]:
         flush=True,
     )
     return {
-        "dist_vs_per_parameter_speedup": _claim(gbps["ours"] / gbps["per-parameter"], 1.5, "x"),
-        "dist_vs_per_parameter_live_speedup": {
-            "value": round(gbps["ours"] / gbps["per-param live"], 4),
-            "target": None,
-            "unit": "x",
-            "ok": True,
-        },
-        "dist_over_ceiling": _claim(gbps["ours landed"] / gbps["ceiling"], 0.8, "x"),
-        "dist_inplace_over_ceiling": {
-            "value": round(gbps["ours"] / gbps["ceiling"], 4),
-            "target": None,
-            "unit": "x",
-            "ok": True,
-        },
-        "dist_peak_extra_over_bucket": _claim(ours_extra / bucket, 2.0, "buckets", higher=False),
-        "dist_vs_seed_speedup": {
-            "value": round(gbps["ours"] / gbps["seed"], 4),
-            "target": None,
-            "unit": "x",
-            "ok": True,
-        },
-        "seed_peak_extra_over_model": {
-            "value": round(seed_extra / nbytes, 4),
-            "target": None,
-            "unit": "model copies",
-            "ok": True,
-        },
+        "dist_vs_per_parameter_speedup": claim(gbps["ours"] / gbps["per-parameter"], 1.5, "x"),
+        "dist_vs_per_parameter_live_speedup": claim(gbps["ours"] / gbps["per-param live"], None, "x"),
+        "dist_over_ceiling": claim(gbps["ours landed"] / gbps["ceiling"], 0.8, "x"),
+        "dist_inplace_over_ceiling": claim(gbps["ours"] / gbps["ceiling"], None, "x"),
+        "dist_peak_extra_over_bucket": claim(ours_extra / bucket, 2.0, "buckets", higher_is_better=False),
+        "dist_vs_seed_speedup": claim(gbps["ours"] / gbps["seed"], None, "x"),
+        "seed_peak_extra_over_model": claim(seed_extra / nbytes, None, "model copies"),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CI-sized run (seconds)")
-    ap.add_argument("--json", metavar="PATH", help="write the claims as JSON here")
+    ap = arguments((__doc__ or "").split("\n\n")[0])
     ap.add_argument("--receivers", type=int, default=1)
     ap.add_argument("--bucket-mib", type=int, default=0, help="bucket size (default: 64 quick, 256 full)")
     args = ap.parse_args(argv)
-    claims = part2(args)
-    for name, c in claims.items():
-        print(
-            f"  {name:34s} {c['value']:>8} target {c['target']} {c['unit']:12s} {'ok' if c['ok'] else 'MISS'}"
-        )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(claims, fh, indent=2)
-    return 0
+    return report(part2(args), args.json, title="weightsync part 2 (gloo)")
 
 
 if __name__ == "__main__":

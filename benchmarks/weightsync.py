@@ -50,11 +50,9 @@ copies) and (b) their anonymous-memory growth from /proc/self/smaps_rollup.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import importlib.util
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -62,11 +60,11 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from _claims import arguments, claim, report
 from _state import GiB, MiB, build_state, bump, model_spec
 
 from rlfleet.weightsync import (
@@ -92,12 +90,6 @@ def anon_bytes() -> int:
             if line.startswith("Anonymous:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def claim(value: float, target: float | None, unit: str, higher: bool = True) -> dict[str, Any]:
-    shown = round(value, 2)  # reporting precision
-    ok = True if target is None else (shown >= target if higher else shown <= target)
-    return {"value": round(value, 4), "target": target, "unit": unit, "ok": bool(ok)}
 
 
 # -- receiver processes (Shared) -----------------------------------------------------------------
@@ -408,7 +400,7 @@ def part1(args: Any) -> dict[str, dict[str, Any]]:
     return {
         "shared_vs_seed_ray_speedup": claim(speedup, 10.0, "x"),
         "shared_vs_seed_ray_speedup_no_load": claim(speedup_no_load, None, "x"),
-        "shared_over_memcpy_bound": claim(over, 2.0, "x memcpy", higher=False),
+        "shared_over_memcpy_bound": claim(over, 2.0, "x memcpy", higher_is_better=False),
     }
 
 
@@ -516,7 +508,7 @@ def part3(args: Any) -> dict[str, dict[str, Any]]:
         print(f"{name:16s} {rest / model:16.3f} {peak / model:13.3f}  {note}")
     print(
         f"Shared: segment {segment} B = {segment / layout.padded_bytes:.4f} x the model as laid out "
-        f"({layout.padded_bytes} B, 512-B aligned) = {segment / model:.4f} x its raw tensor bytes; "
+        f"({layout.padded_bytes} B) = {segment / model:.4f} x its raw tensor bytes; "
         f"receivers' private weight bytes {private} (weight tensors outside the segment); "
         f"their anonymous memory grew {anon / receivers / MiB:.1f} MiB each (bookkeeping, not weights)",
         flush=True,
@@ -524,11 +516,12 @@ def part3(args: Any) -> dict[str, dict[str, Any]]:
     by_name = {name: rest for name, rest, _, _ in rows}
     out = {
         # Two slots, whatever the number of receivers; one model copy = the model as laid out in
-        # shared memory (tensor bytes at 512-byte aligned offsets; the table shows raw ratios).
+        # shared memory (`Layout.padded_bytes`; the table shows raw ratios).
+        # at two decimals: the segment's header and checksum pages are under 0.1% of a model
         "shared_per_node_bytes_over_model": claim(
-            (segment + private) / layout.padded_bytes, 2.0, "model copies", higher=False
+            round((segment + private) / layout.padded_bytes, 2), 2.0, "model copies", higher_is_better=False
         ),
-        "shared_reader_private_weight_bytes": claim(private, 0, "bytes", higher=False),
+        "shared_reader_private_weight_bytes": claim(private, 0, "bytes", higher_is_better=False),
         "double_over_shared_per_node_bytes": claim(by_name["Double"] / (segment + private), None, "x"),
         "none_per_node_bytes_over_model": claim(by_name["None"] / model, None, "model copies"),
         "double_per_node_bytes_over_model": claim(by_name["Double"] / model, None, "model copies"),
@@ -539,20 +532,8 @@ def part3(args: Any) -> dict[str, dict[str, Any]]:
 
 
 # -- main --------------------------------------------------------------------------------------------
-def _part2() -> Callable[[Any], dict[str, dict[str, Any]]] | None:
-    path = HERE / "_weightsync_dist.py"
-    if not path.exists():
-        return None
-    sys.path.insert(0, str(HERE))
-    module = __import__("_weightsync_dist")
-    part2: Callable[[Any], dict[str, dict[str, Any]]] = module.part2
-    return part2
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CI-sized run")
-    ap.add_argument("--json", metavar="PATH", help="write the claims as JSON here")
+    ap = arguments((__doc__ or "").split("\n\n")[0])
     ap.add_argument("--parts", default="1,2,3", help="which parts to run (default: 1,2,3)")
     ap.add_argument("--receivers", type=int, default=1, help="part 2: receivers")
     ap.add_argument("--bucket-mib", type=int, default=0, help="part 2: bucket size in MiB")
@@ -562,22 +543,13 @@ def main(argv: list[str] | None = None) -> int:
     if "1" in parts:
         claims.update(part1(args))
     if "2" in parts:
-        part2 = _part2()
-        if part2 is None:
-            print("\npart 2: benchmarks/_weightsync_dist.py not present; skipped")
-        else:
-            print()
-            claims.update(part2(args))
+        from _weightsync_dist import part2
+
+        print()
+        claims.update(part2(args))
     if "3" in parts:
         claims.update(part3(args))
-    print("\nclaims:")
-    for name, c in claims.items():
-        verdict = "ok" if c["ok"] else "MISS"
-        print(f"  {name:40s} {c['value']:>9} target {c['target']!s:>6} {c['unit']:14s} {verdict}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(claims, fh, indent=2)
-    return 0
+    return report(claims, args.json, title="weightsync")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from rlfleet.weightsync import (
     CudaIpcReceiver,
     CudaIpcSender,
     Layout,
+    RecordingConsumer,
     SlotsStillMappedError,
     bucket_views,
     checksum,
@@ -34,7 +35,7 @@ def _packed(layout: Layout, k: int, state: Mapping[str, torch.Tensor], device: s
     return pack_bucket(layout, k, state, buffer)
 
 
-class _SlowFirstBucket(w.StagingConsumer):
+class _SlowFirstBucket(RecordingConsumer):
     """Version 2 only: bucket 0 is read `delay` seconds after it is handed over (a straggler)."""
 
     def __init__(self, layout: Layout, initial: Mapping[str, torch.Tensor], delay: float) -> None:
@@ -87,7 +88,7 @@ def scenario_ipc_leak(rank: int, world: int, port: int, path: str) -> dict[str, 
         w._publish_name(closed, "closed")
         return result
     receiver = CudaIpcReceiver.attach(w._read_name(path), 0)
-    consumer = w.StagingConsumer(layout, w.make_state(0))
+    consumer = RecordingConsumer(layout, w.make_state(0))
     receiver.receive(consumer, w.DEADLINE)
     w._read_name(closed)
     out = {"next": w.outcome(lambda: receiver.receive(consumer, 5.0))}
@@ -101,7 +102,7 @@ def scenario_ipc_leak(rank: int, world: int, port: int, path: str) -> dict[str, 
     return out
 
 
-class _FailsAfterSideRead(w.StagingConsumer):
+class _FailsAfterSideRead(RecordingConsumer):
     """Version 1, bucket 0: queue a read of the slot on a side stream behind a GPU spin, then
     fail. The receiver must wait for that read (device sync) before it releases the slot."""
 

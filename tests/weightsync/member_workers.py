@@ -164,6 +164,7 @@ def scenario_group_key(rank: int, world: int, port: int, port1: int, port2: int)
     if rank < 2:
         init_process_group_bounded("gloo", url.format(port1), rank, 2, join_timeout=60.0, timeout=30.0)
         new_group_bounded([0, 1], join_timeout=30.0)
+        dist.barrier()  # neither leaves while the other still connects the group's pairs
         dist.destroy_process_group()
     init_process_group_bounded("gloo", url.format(port2), rank, world, join_timeout=60.0, timeout=30.0)
 

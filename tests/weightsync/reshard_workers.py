@@ -7,12 +7,14 @@ independent oracle for the executor. Shards are cut with torch.chunk / torch.cat
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import pickle
 import signal
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,15 +26,12 @@ import weightsync_dist_workers as w
 
 from rlfleet.weightsync import (
     DoubleBuffer,
-    IncompleteSyncError,
-    Layout,
     PeerGroup,
+    RecordingConsumer,
     ReshardReceiver,
     ReshardSender,
-    VersionError,
     checksum,
 )
-from rlfleet.weightsync._packing import bucket_starts, flat_views
 
 BUCKET = 8 * 1024
 DIRECT_MIN = 4 * 1024
@@ -289,55 +288,6 @@ def programs(
 
 
 # -- consumers ------------------------------------------------------------------------------------
-class TargetConsumer:
-    """Offers its staging as the landing zone (`BucketTarget`), copies on commit."""
-
-    def __init__(self, layout: Layout, live: dict[str, torch.Tensor]) -> None:
-        self._layout = layout
-        self.live = live
-        self.staging = torch.zeros(layout.padded_bytes, dtype=torch.uint8)
-        self._starts = bucket_starts(layout)
-        self._version = -1
-        self._pending: int | None = None
-        self._seen: set[int] = set()
-        self.landed_in_place = 0
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def begin(self, version: int) -> None:
-        if version <= self._version:
-            raise VersionError(f"version {version} is not newer than {self._version}")
-        self._pending, self._seen = version, set()
-
-    def bucket_target(self, index: int) -> torch.Tensor:
-        start = self._starts[index]
-        return self.staging[start : start + self._layout.buckets[index].nbytes]
-
-    def consume(self, index: int, data: torch.Tensor) -> None:
-        region = self.bucket_target(index)
-        if data.data_ptr() == region.data_ptr():
-            self.landed_in_place += 1
-        else:
-            region.copy_(data)
-        self._seen.add(index)
-
-    def commit(self, version: int) -> None:
-        if self._pending != version or len(self._seen) != len(self._layout.buckets):
-            raise IncompleteSyncError(f"commit {version} with {len(self._seen)} buckets")
-        for name, view in flat_views(self._layout, self.staging).items():
-            self.live[name].copy_(view)
-        self._version, self._pending = version, None
-
-    def abort(self, error: BaseException) -> None:
-        self._pending = None
-
-
 class SlowMapping(Mapping[str, torch.Tensor]):
     """A state dict whose `name` stalls (or kills the process) from its `after`-th read on."""
 
@@ -447,7 +397,10 @@ def run_case(
     receiver = ReshardReceiver(prog, groups, bucket_bytes=BUCKET, direct_min=DIRECT_MIN)
     live = local_state(gen_specs, full_pieces(gen_specs, 0), case.gen, g)
     layout = receiver.program.layout(BUCKET)
-    consumer: Any = TargetConsumer(layout, live) if g == 1 else DoubleBuffer(live, layout)
+    consumer: Any = DoubleBuffer(live, layout)
+    if g == 1:  # offers its staging as the landing zone (BucketTarget) and applies to its own weights
+        consumer = RecordingConsumer(layout, live, bucket_targets=True)
+        live = consumer.weights
     for label, version, fault in steps:
         before = checksum(live)
         target = consumer
@@ -456,7 +409,8 @@ def run_case(
             bad["head"] = torch.zeros(3, dtype=torch.bfloat16) if "head" in bad else torch.zeros(1)
             target = DoubleBuffer(bad)
         deadline = 2.0 if fault.endswith(":sleep") else DEADLINE
-        result = outcome(lambda c=target, d=deadline: receiver.receive(c, d).extras)
+        with _stuck_request(consumer, fault == f"gen{g}:stuck"):
+            result = outcome(lambda c=target, d=deadline: receiver.receive(c, d).extras)
         expected = local_state(gen_specs, full_pieces(gen_specs, version), case.gen, g)
         result["exact"] = checksum(live) == checksum(expected)
         result["intact"] = checksum(live) == before
@@ -464,10 +418,35 @@ def run_case(
         out[label] = result
     out["shard"] = encode(live)
     out["broken"] = receiver.broken
-    out["landed_in_place"] = getattr(consumer, "landed_in_place", None)
+    out["landed_in_place"] = len(getattr(consumer, "landed_buckets", ()))
     out["own_bytes"] = sum(t.numel() * t.element_size() for t in live.values())
     out["received_bytes"] = sum(t[8] for t in prog["transfers"])
     return out
+
+
+@contextlib.contextmanager
+def _stuck_request(buffer: Any, stuck: bool) -> Iterator[None]:
+    """While the sync runs, a request holds `buffer`'s serving lock past its commit timeout."""
+    if not stuck:
+        yield
+        return
+    release, serving = threading.Event(), threading.Event()
+
+    def request() -> None:
+        with buffer.serving(DEADLINE):
+            serving.set()
+            release.wait(DEADLINE)
+
+    thread = threading.Thread(target=request)
+    timeout, buffer.commit_timeout_s = buffer.commit_timeout_s, 0.5
+    thread.start()
+    serving.wait(DEADLINE)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join(DEADLINE)
+        buffer.commit_timeout_s = timeout
 
 
 MAIN_STEPS = [
@@ -477,6 +456,7 @@ MAIN_STEPS = [
     ("sender_fails", 3, "train1:raise"),
     ("gen_layout", 3, "gen2:layout"),
     ("bad_extras", 3, "train0:extras"),
+    ("stuck_request", 3, "gen0:stuck"),
     ("v3", 3, ""),
 ]
 
@@ -537,7 +517,7 @@ def scenario_gpu(rank: int, world: int, port: int, transport: str) -> dict[str, 
         wire: Any = TorchP2PWire(dist.group.WORLD, device)
     else:
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
-        wire = NcclP2PWire.create(store, rank, world, device, 60.0)
+        wire = NcclP2PWire.create(store, rank, world, device=device, deadline=60.0)
     group = PeerGroup.world(wire, 1, 1)
     out: dict[str, Any] = {}
     for version in (1, 2):

@@ -69,7 +69,7 @@ def make_state(version: int, small: int = 40) -> dict[str, torch.Tensor]:
     sd["strided"] = random_tensor((64, 10), torch.float16, g)[::3, 1::2]
     sd["step"] = torch.tensor([version], dtype=torch.int64)
     for i in range(small):
-        n = 1 + (i * 37) % 300
+        n = 1 + (i * 37) % 900  # sized for >= 5 buckets of 16 KiB with densely packed small tensors
         sd[f"layers.{i}.w"] = random_tensor((n,), torch.bfloat16 if i % 3 else torch.float32, g)
     return sd
 

@@ -21,6 +21,7 @@ from rlfleet.weightsync import (
     Layout,
     LayoutMismatchError,
     MetadataError,
+    ServingLock,
     SharedBuffer,
     SharedBufferReader,
     ShmRingReceiver,
@@ -248,6 +249,122 @@ def test_double_commit_times_out_behind_a_stuck_request_and_keeps_v() -> None:
     assert checksum(live) == checksum(w.make_state(1))
     feed(buffer, w.make_state(2), 2)
     assert checksum(live) == checksum(w.make_state(2))
+
+
+def _staged(buffer: DirectBuffer | DoubleBuffer, version: int) -> None:
+    """Begin `version` and hand every bucket over, as a transport does before the vote."""
+    layout = buffer.layout
+    scratch = torch.empty(layout.max_bucket_nbytes, dtype=torch.uint8)
+    state = w.make_state(version)
+    buffer.begin(version)
+    for bucket in layout.buckets:
+        buffer.consume(bucket.index, pack_bucket(layout, bucket.index, state, scratch).clone())
+
+
+def _pending_v2(make: Callable[..., Any], commit_timeout_s: float) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A buffer that applied version 1 and holds every bucket of version 2; and its live tensors."""
+    layout = w.layout_of(w.make_state(1), BUCKET)
+    live = w.zeros_like_layout(layout)
+    buffer = make(live, layout, commit_timeout_s=commit_timeout_s)
+    feed(buffer, w.make_state(1), 1)
+    _staged(buffer, 2)
+    return buffer, live
+
+
+@pytest.mark.parametrize("make", [DirectBuffer, DoubleBuffer])
+def test_prepare_takes_the_serving_lock_so_the_commit_cannot_fail(make: Callable[..., Any]) -> None:
+    buffer, live = _pending_v2(make, 0.05)
+    with buffer.serving(), pytest.raises(SyncTimeoutError, match="in-flight requests"):
+        buffer.prepare_commit(2, 5.0)  # a stuck request: refused before any vote
+    assert buffer.version == 1
+    assert buffer.pending_version == 2
+    buffer.prepare_commit(2, 5.0)
+    refused = threading.Event()
+
+    def late_request() -> None:  # arrives after the prepare: waits for the commit, never sees a mix
+        try:
+            with buffer.serving(0.05):
+                pass
+        except SyncTimeoutError:
+            refused.set()
+
+    thread = threading.Thread(target=late_request)
+    thread.start()
+    thread.join(w.TIMEOUT)
+    assert refused.is_set()
+    buffer.commit(2)  # held since prepare: no wait, cannot time out
+    assert checksum(live) == checksum(w.make_state(2))
+    with buffer.serving(0.5):  # the lock was released by the commit
+        pass
+
+
+@pytest.mark.parametrize("make", [DirectBuffer, DoubleBuffer])
+def test_abort_after_prepare_releases_the_lock_and_keeps_v(make: Callable[..., Any]) -> None:
+    buffer, live = _pending_v2(make, 1.0)
+    buffer.prepare_commit(2)
+    buffer.abort(RuntimeError("a rank voted no"))
+    assert buffer.version == 1
+    assert checksum(live) == checksum(w.make_state(1))
+    with buffer.serving(0.5):  # released
+        pass
+    feed(buffer, w.make_state(3), 3)
+    assert checksum(live) == checksum(w.make_state(3))
+
+
+def test_prepare_checks_the_version_and_every_bucket() -> None:
+    layout = w.layout_of(w.make_state(1), BUCKET)
+    buffer = DoubleBuffer(w.zeros_like_layout(layout), layout)
+    with pytest.raises(VersionError):
+        buffer.prepare_commit(1)  # nothing pending
+    buffer.begin(1)
+    with pytest.raises(IncompleteSyncError, match="missing"):
+        buffer.prepare_commit(1)
+    with pytest.raises(VersionError):
+        buffer.prepare_commit(2)
+
+
+@pytest.mark.parametrize("version", [2**63, 2**64 + 1, -5, 1.0, True])
+def test_versions_outside_int64_are_a_version_error_not_an_overflow(version: Any) -> None:
+    layout = w.layout_of(w.make_state(1), BUCKET)
+    buffer = DirectBuffer(w.zeros_like_layout(layout), layout)
+    with pytest.raises(VersionError):
+        buffer.begin(version)
+    assert buffer.pending_version is None
+
+
+def test_a_commit_that_times_out_lets_waiting_requests_go_on() -> None:
+    lock = ServingLock()
+    outcomes: list[str] = []
+    served = threading.Event()
+
+    def writer() -> None:
+        try:
+            lock.acquire_exclusive(0.2)
+            outcomes.append("acquired")
+        except SyncTimeoutError:
+            outcomes.append("timed out")
+
+    def request() -> None:
+        with lock.shared(w.TIMEOUT):
+            served.set()
+
+    with lock.shared():
+        commit = threading.Thread(target=writer)
+        commit.start()
+        while not lock._waiting_writers and commit.is_alive():  # the writer now holds requests back
+            threading.Event().wait(0.001)
+        late = threading.Thread(target=request)
+        late.start()
+        commit.join(w.TIMEOUT)
+        assert outcomes == ["timed out"]
+        assert served.wait(w.TIMEOUT), "a request held back by a writer that gave up must go on"
+    late.join(w.TIMEOUT)
+    lock.acquire_exclusive(0.5)  # a hold that another thread releases (prepare here, abort there)
+    releaser = threading.Thread(target=lock.release_exclusive)
+    releaser.start()
+    releaser.join(w.TIMEOUT)
+    with lock.shared(0.5):
+        pass
 
 
 def test_double_requests_see_all_of_one_version() -> None:

@@ -12,7 +12,6 @@ from rlfleet.weightsync import (
     SyncTimeoutError,
     Watchdog,
     armed_watchdogs,
-    stand_down,
     stand_down_armed_watchdogs,
 )
 
@@ -104,7 +103,8 @@ def test_watchdog_fires_callbacks_once() -> None:
         hits.append("abort")
         done.set()
 
-    dog = Watchdog(0.01, on_fire=[abort, lambda: hits.append("second")], name="refit")
+    dog = Watchdog(0.01, on_fire=[abort], name="refit")
+    dog.add_callback(lambda: hits.append("second"))  # e.g. a communicator built after the watchdog
     with dog:
         assert done.wait(30)
     assert dog.fired
@@ -151,7 +151,7 @@ def test_stand_down_disarms_every_armed_watchdog() -> None:
     assert stand_down_armed_watchdogs() == 2
     assert all(d.stood_down for d in dogs[:2])
     assert not dogs[2].stood_down
-    assert stand_down() == 0
+    assert stand_down_armed_watchdogs() == 0
     assert not any(d.fired for d in dogs)
     assert hits == []
 
@@ -159,3 +159,34 @@ def test_stand_down_disarms_every_armed_watchdog() -> None:
 def test_watchdog_validates_timeout() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         Watchdog(0, name="zero")
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), 1e10, 1e300, 10**30])
+def test_huge_timeouts_are_very_long_and_never_overflow(seconds: float) -> None:
+    deadline = Deadline(seconds)
+    left = deadline.remaining()
+    assert left is None or left > 1e8
+    event = threading.Event()
+    threading.Timer(0.05, event.set).start()
+    deadline.wait(event, "an event set soon")  # Event.wait(1e10) itself raises OverflowError
+    cond = threading.Condition()
+    ready: list[bool] = []
+
+    def notify() -> None:
+        with cond:
+            ready.append(True)
+            cond.notify_all()
+
+    threading.Timer(0.05, notify).start()
+    with cond:
+        deadline.wait(cond, "a predicate true soon", lambda: bool(ready))
+    assert not deadline.child(seconds).expired
+    assert Deadline(5).child(seconds).remaining() <= 5  # type: ignore[operator]
+
+
+def test_leaving_ends_earlier_and_keeps_no_limit() -> None:
+    deadline = Deadline(10)
+    earlier = deadline.leaving(4)
+    assert earlier.remaining() <= 6  # type: ignore[operator]
+    assert Deadline(1).leaving(5).expired
+    assert Deadline(None).leaving(5).remaining() is None

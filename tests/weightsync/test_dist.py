@@ -9,15 +9,8 @@ import pytest
 import torch
 import weightsync_dist_workers as w
 
-from rlfleet.weightsync import (
-    Control,
-    Header,
-    Layout,
-    MetadataError,
-    bucket_segments,
-    checksum,
-)
-from rlfleet.weightsync._wire import CONTROL_BYTES, HEADER_BYTES
+from rlfleet.weightsync import Layout, MetadataError, checksum
+from rlfleet.weightsync._wire import CONTROL_BYTES, HEADER_BYTES, Control, Header, bucket_segments
 
 
 # -- protocol pieces (no processes) ------------------------------------------------------------

@@ -35,7 +35,8 @@ from rlfleet.weightsync import (
     module_part_buffer,
     pack_all,
 )
-from rlfleet.weightsync._shared_buffer import G_DATA_OFFSET, _Header
+from rlfleet.weightsync._shared_format import SlotTable
+from rlfleet.weightsync._shm import SharedSegment
 
 LAYOUT = ew.layout()
 
@@ -124,12 +125,15 @@ def test_a_corrupted_node_buffer_is_refused_and_nothing_is_applied(node_buffer: 
         endpoint.stage_from_node(node_buffer.name, 1, 10.0)
         endpoint.apply(1)
         node_buffer.publish(ew.state(2), 2)
-        header = _Header(node_buffer._header.h)
-        slot = header.slot_holding(2)
-        assert slot is not None
-        data = node_buffer._segment.buffer
-        pos = header.get(G_DATA_OFFSET) + slot * node_buffer.slot_bytes
-        data[pos] ^= 0x40
+        segment = SharedSegment.attach(node_buffer.name)
+        try:  # flip one byte of version 2's slot, as a faulty writer or a stray write would
+            table, plan, _ = SlotTable.of(segment)
+            slot = table.slot_holding(2)
+            assert slot is not None
+            segment.buffer[plan.data_offset + slot * plan.slot_bytes] ^= 0x40
+            table.detach()
+        finally:
+            segment.close()
         with pytest.raises(ChecksumMismatchError):
             endpoint.stage_from_node(node_buffer.name, 2, 10.0)
         assert (endpoint.version, endpoint.staged_version) == (1, None)

@@ -29,13 +29,16 @@ from rlfleet.weightsync import (
     pack_bucket,
     unpack_bucket_into,
 )
+from rlfleet.weightsync._layout import DENSE_BELOW
 
 
 def test_offsets_are_aligned_and_buckets_capped() -> None:
     sd = make_state(1)
     layout = layout_of(sd, 64 * 1024)
     for spec in layout.tensors:
-        assert spec.offset % ALIGNMENT == 0
+        assert spec.offset % spec.torch_dtype.itemsize == 0  # every typed view needs this
+        if spec.nbytes >= DENSE_BELOW:
+            assert spec.offset % ALIGNMENT == 0  # large tensors: where alignment matters
     for bucket in layout.buckets:
         assert bucket.nbytes % ALIGNMENT == 0
         if len(bucket.tensors) > 1:
@@ -321,3 +324,99 @@ def test_flat_block_never_reads_ahead_of_a_lazy_mapping() -> None:
     assert flat_block(layout, Lazy()) is None
     assert Lazy.reads == 0
     assert flat_block(layout, state) is not None
+
+
+# -- dense packing, bounds and clear errors ---------------------------------------------------
+def test_many_tiny_tensors_cost_their_own_bytes_not_512_each() -> None:
+    from rlfleet.weightsync._wire import bucket_segments
+
+    sd = {f"t{i}": torch.full((4,), float(i)) for i in range(100_000)}  # 1.6 MB of data
+    layout = Layout.from_state_dict(sd)
+    assert layout.total_bytes == 1_600_000
+    assert layout.padded_bytes < 1_600_000 + 512 * len(layout.buckets)  # was 51.2 MB
+    on_wire = sum(s.nbytes for b in layout.buckets for s in bucket_segments(layout, b.index))
+    assert on_wire == 1_600_000
+    flat = pack_all(layout, sd)
+    views = flat_views(layout, flat)
+    assert torch.equal(views["t99999"], sd["t99999"])
+    assert checksum(views) == checksum(sd)
+
+
+def test_mixed_dtypes_stay_aligned_to_their_element_size_and_round_trip() -> None:
+    sd = {
+        "flag": torch.tensor([True]),
+        "half": torch.ones(3, dtype=torch.float16),
+        "c": torch.full((1,), 1 + 2j, dtype=torch.complex128),
+        "big": torch.ones(DENSE_BELOW // 4 + 1),
+        "byte": torch.ones(1, dtype=torch.uint8),
+    }
+    layout = Layout.from_state_dict(sd)
+    assert layout["c"].offset % 16 == 0
+    assert layout["half"].offset % 2 == 0
+    assert layout["big"].offset % ALIGNMENT == 0
+    assert checksum(flat_views(layout, pack_all(layout, sd))) == checksum(sd)
+
+
+@pytest.mark.parametrize("shape", [[0, 10**30], [2**62, 0], [0, -1]])
+def test_absurd_shapes_are_refused(shape: list[int]) -> None:
+    with pytest.raises(MetadataError, match="invalid shape"):
+        Layout([("w", shape, "float32")])
+
+
+def test_a_state_dict_of_non_tensors_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match=r"'w' is a list, not a torch\.Tensor"):
+        Layout.from_state_dict({"w": [1, 2]})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="mapping"):
+        Layout.from_state_dict([("w", torch.zeros(1))])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw", [None, 3, ["x"]])
+def test_layout_from_json_of_a_non_text_value_is_a_metadata_error(raw: Any) -> None:
+    with pytest.raises(MetadataError, match="bytes or text"):
+        Layout.from_json(raw)
+
+
+def test_a_mismatch_names_a_parameter_with_quotes_exactly() -> None:
+    sd = {"it's": torch.zeros(3), "b": torch.zeros(2)}
+    other = {"it's": torch.zeros(4), "b": torch.zeros(2)}
+    with pytest.raises(LayoutMismatchError) as info:
+        Layout.from_state_dict(sd).require_same(Layout.from_state_dict(other))
+    assert info.value.parameter == "it's"
+    found = Layout.from_state_dict(sd).difference(Layout.from_state_dict(other))
+    assert found is not None
+    assert found[0] == "it's"
+
+
+def test_identical_infinities_are_equal_fingerprints() -> None:
+    mask = torch.full((4, 4), float("-inf")).triu(1)
+    sd = {"mask": mask, "pos": torch.full((3,), float("inf")), "w": torch.ones(3)}
+    assert compare_fingerprints(fingerprint(sd), fingerprint({k: v.clone() for k, v in sd.items()})) == []
+    assert compare_fingerprints({"x": float("inf")}, {"x": float("-inf")}) != []
+    assert compare_fingerprints({"x": float("nan")}, {"x": float("nan")}) != []
+    assert compare_fingerprints({"x": float("inf")}, {"x": 1.0}) != []
+
+
+def test_adopt_keeps_views_of_another_tensor_shared() -> None:
+    from rlfleet.weightsync import adopt
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {"base": base, "row": base[1], "col": base[:, 2], "bytes": base.view(torch.int32)[3]}
+    values = {k: v.clone() for k, v in state.items()}
+    adopt(state, Layout.from_state_dict(state, 1024))
+    assert all(torch.equal(state[k], values[k]) for k in state)
+    with torch.no_grad():
+        state["base"][1, 2] = -7.0
+    assert state["row"][2] == -7.0
+    assert state["col"][1] == -7.0
+    assert state["bytes"].untyped_storage().data_ptr() == state["base"].untyped_storage().data_ptr()
+
+
+def test_adopt_refuses_overlap_that_no_tensor_holds() -> None:
+    from rlfleet.weightsync import adopt
+
+    flat = torch.arange(10, dtype=torch.float32)
+    state = {"left": flat[:6], "right": flat[4:]}
+    layout = Layout.from_state_dict(state, 1024)
+    with pytest.raises(ValueError, match="share memory"):
+        adopt(state, layout)
+    assert torch.equal(state["left"], torch.arange(6, dtype=torch.float32))  # nothing moved

@@ -15,11 +15,11 @@ from member_workers import (
 from rlfleet.weightsync import (
     BroadcastReceiver,
     MemberGroup,
-    MemberWire,
     RendezvousTimeoutError,
     checksum,
     host_store,
 )
+from rlfleet.weightsync._dist import MemberWire
 
 
 def _expected(version: int) -> str:

@@ -14,12 +14,8 @@ import reshard_workers as rw
 import torch
 import weightsync_dist_workers as w
 
-from rlfleet.weightsync import (
-    MetadataError,
-    RankProgram,
-    ReshardMessage,
-    checksum,
-)
+from rlfleet.weightsync import MetadataError, RankProgram, checksum
+from rlfleet.weightsync._reshard import ReshardMessage
 
 
 @pytest.fixture(autouse=True)
@@ -79,6 +75,48 @@ def test_program_round_trips_and_rejects_garbage() -> None:
         RankProgram.from_dict(wrong_rank)
     with pytest.raises(MetadataError, match="not valid JSON"):
         RankProgram.coerce(b"{nope")
+
+
+def _gen_program(transfers: list[list[Any]]) -> dict[str, Any]:
+    return {
+        "format": 1,
+        "role": "gen",
+        "rank": 0,
+        "train_world_size": 2,
+        "gen_world_size": 1,
+        "digest": "plan",
+        "tensors": [["w", [4, 3], "float32"], ["b", [3], "float32"]],
+        "transfers": [*transfers, [0, 0, "b", "b", None, 0, 0, 1, 12, "float32"]],
+    }
+
+
+def test_a_program_that_leaves_rows_uncovered_is_refused_and_nothing_commits() -> None:
+    from rlfleet.weightsync import DoubleBuffer, ReshardReceiver
+
+    half = [[0, 0, "w", "w", 0, 0, 0, 2, 24, "float32"]]  # rows 0..2 of 4: rows 2..4 never sent
+    with pytest.raises(MetadataError, match=r"\[2:4\] of 'w' \(4, 3\) along dim 0 is covered by no transfer"):
+        RankProgram.from_dict(_gen_program(half))
+    consumer = DoubleBuffer({"w": torch.zeros(4, 3), "b": torch.zeros(3)})
+    with pytest.raises(MetadataError, match="covered by no transfer"):
+        ReshardReceiver(_gen_program(half), [])
+    assert consumer.version == -1
+    nothing = _gen_program([])
+    nothing["transfers"] = nothing["transfers"][:0]
+    with pytest.raises(MetadataError, match="no transfer writes 'w'"):
+        RankProgram.from_dict(nothing)
+
+
+@pytest.mark.parametrize(
+    "transfers",
+    [
+        [[0, 0, "w", "w", 0, 0, 0, 2, 24, "float32"], [1, 0, "w", "w", 0, 0, 2, 2, 24, "float32"]],
+        [[0, 0, "w", "w", 1, 0, 0, 1, 16, "float32"], [1, 0, "w", "w", 1, 0, 1, 2, 32, "float32"]],
+        [[0, 0, "w", "w", None, 0, 0, 4, 48, "float32"]],
+    ],
+)
+def test_programs_that_cover_every_element_are_accepted(transfers: list[list[Any]]) -> None:
+    program = RankProgram.from_dict(_gen_program(transfers))
+    assert program.nbytes == 48 + 12
 
 
 # -- one world of 8 processes runs every case --------------------------------------------------
@@ -153,6 +191,22 @@ def test_sender_failure_mid_stream_aborts_on_all_and_keeps_the_group(runs: dict[
     trains = _trains(runs, "tp2dp2_to_tp4")
     assert "failed to read embed" in trains[1]["sender_fails"]["message"]
     assert all(t["broken"] is None for t in trains.values())
+
+
+@pytest.mark.timeout(200)
+def test_a_commit_that_cannot_happen_is_refused_before_the_vote(runs: dict[int, Any]) -> None:
+    gens = _gens(runs, "tp2dp2_to_tp4")
+    stuck = gens[4]["stuck_request"]  # generation rank 0: a request holds its serving lock
+    assert stuck["type"] == "SyncTimeoutError", stuck
+    assert "in-flight requests" in stuck["message"]
+    for g in gens.values():
+        assert not g["stuck_request"]["ok"]
+        assert g["stuck_request"]["intact"]  # every generation rank keeps version 2
+        assert g["stuck_request"]["applied"] == 2
+        assert g["broken"] is None
+    for t in _trains(runs, "tp2dp2_to_tp4").values():
+        assert t["stuck_request"]["type"] == "SyncAbortedError", t["stuck_request"]
+        assert "gen rank 0 could not prepare its commit" in t["stuck_request"]["message"]
 
 
 @pytest.mark.timeout(200)

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlfleet.weightsync import Layout, checksum
-from rlfleet.weightsync._packing import bucket_starts, flat_views
+from rlfleet.weightsync import Layout, RecordingConsumer, checksum
 
 BUCKET = 64 * 1024
 DIRECT_MIN = 16 * 1024
@@ -35,7 +34,7 @@ def make_state(version: int, small: int = 120) -> dict[str, torch.Tensor]:
     sd["empty"] = torch.zeros(0, 4)
     sd["scalar"] = torch.tensor(3.5 + version)
     for i in range(small):
-        n = 1 + (i * 37) % 400
+        n = 1 + (i * 37) % 800  # four 64 KiB buckets with densely packed small tensors
         sd[f"layers.{i}.w"] = torch.randn(n, generator=g).to(torch.bfloat16 if i % 3 else torch.float32)
     # a non-contiguous source on the sender side (a transposed view)
     sd["transposed"] = torch.randn(96, 64, generator=g).t()
@@ -44,87 +43,6 @@ def make_state(version: int, small: int = 120) -> dict[str, torch.Tensor]:
 
 def layout_of(sd: Mapping[str, torch.Tensor], bucket: int = BUCKET) -> Layout:
     return Layout.from_state_dict(sd, bucket)
-
-
-class StagingConsumer:
-    """A minimal double-buffered consumer: stage every bucket, copy into place on commit."""
-
-    def __init__(
-        self, layout: Layout, initial: Mapping[str, torch.Tensor], target: bool = False, tensors: bool = False
-    ) -> None:
-        self._layout = layout
-        self.weights = {k: v.clone().contiguous() for k, v in initial.items()}
-        self._version = -1
-        self.staging = torch.zeros(layout.padded_bytes, dtype=torch.uint8)
-        self._starts = bucket_starts(layout)
-        self._pending: int | None = None
-        self._seen: set[int] = set()
-        self.aborts: list[str] = []
-        self.fail_on: int | None = None
-        self._target = target
-        self._tensors = tensors
-        self._landed: set[str] = set()
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def begin(self, version: int) -> None:
-        from rlfleet.weightsync import VersionError
-
-        if version <= self._version:
-            raise VersionError(f"version {version} is not newer than {self._version}")
-        self._pending = version
-        self._seen = set()
-        self._landed = set()
-
-    def _region(self, index: int) -> torch.Tensor:
-        start = self._starts[index]
-        return self.staging[start : start + self._layout.buckets[index].nbytes]
-
-    def bucket_target(self, index: int) -> torch.Tensor | None:
-        return self._region(index) if self._target else None
-
-    def tensor_target(self, name: str) -> torch.Tensor | None:
-        if not self._tensors:
-            return None
-        spec = self._layout[name]
-        self._landed.add(name)
-        return (
-            self._region(spec.bucket)[spec.offset : spec.offset + spec.nbytes]
-            .view(spec.torch_dtype)
-            .view(spec.shape)
-        )
-
-    def consume(self, index: int, data: torch.Tensor) -> None:
-        if self.fail_on == index:
-            raise RuntimeError(f"injected consumer failure at bucket {index}")
-        region = self._region(index)
-        if data.data_ptr() != region.data_ptr():
-            for spec in self._layout.buckets[index].tensors:
-                if spec.name not in self._landed:  # landed tensors are already in place
-                    region[spec.offset : spec.offset + spec.nbytes].copy_(
-                        data[spec.offset : spec.offset + spec.nbytes]
-                    )
-        self._seen.add(index)
-
-    def commit(self, version: int) -> None:
-        from rlfleet.weightsync import IncompleteSyncError
-
-        if self._pending != version or len(self._seen) != len(self._layout.buckets):
-            raise IncompleteSyncError(f"commit of {version} with {len(self._seen)} buckets")
-        for name, view in flat_views(self._layout, self.staging).items():
-            self.weights[name].copy_(view)
-        self._version = version
-        self._pending = None
-
-    def abort(self, error: BaseException) -> None:
-        self.aborts.append(f"{type(error).__name__}: {error}")
-        self._pending = None
 
 
 class FlakyMapping(Mapping[str, torch.Tensor]):
@@ -340,9 +258,9 @@ def scenario_protocol(rank: int, world: int, port: int) -> dict[str, Any]:
         steps["broken"] = sender.broken
         return steps
     receiver = BroadcastReceiver(layout, None, 0)
-    consumer = StagingConsumer(layout, base, target=rank == 1, tensors=rank == 2)
+    consumer = RecordingConsumer(layout, base, bucket_targets=rank == 1, tensor_targets=rank == 2)
 
-    def recv(c: StagingConsumer) -> dict[str, Any]:
+    def recv(c: RecordingConsumer) -> dict[str, Any]:
         result = outcome(lambda: receiver.receive(c, DEADLINE).version)
         result["applied"] = consumer.version
         result["checksum"] = checksum(consumer.weights)
@@ -354,7 +272,7 @@ def scenario_protocol(rank: int, world: int, port: int) -> dict[str, Any]:
     if rank == 2:
         other = dict(base)
         other["layers.7.w"] = torch.zeros(3, 3)
-        steps["layout"] = recv(StagingConsumer(layout_of(other), other))
+        steps["layout"] = recv(RecordingConsumer(layout_of(other), other))
     else:
         steps["layout"] = recv(consumer)
     if rank == 2:
@@ -366,7 +284,7 @@ def scenario_protocol(rank: int, world: int, port: int) -> dict[str, Any]:
     steps["v3"] = recv(consumer)
     steps["adopted"] = recv(consumer)
     steps["aborts"] = len(consumer.aborts)
-    steps["landed"] = len(consumer._landed)
+    steps["landed"] = len(consumer.landed)
     steps["broken"] = receiver.broken
     return steps
 
@@ -384,7 +302,7 @@ def scenario_kill(rank: int, world: int, port: int) -> dict[str, Any]:
         sender.send(FlakyMapping(make_state(2), "layers.90.w", 1, "kill"), 2, DEADLINE)
         return {"unreachable": True}
     receiver = BroadcastReceiver(layout, None, 0)
-    consumer = StagingConsumer(layout, base, target=rank == 1)
+    consumer = RecordingConsumer(layout, base, bucket_targets=rank == 1)
     receiver.receive(consumer, DEADLINE)
     start = time.monotonic()
     result = outcome(lambda: receiver.receive(consumer, 20.0))
@@ -427,7 +345,7 @@ def scenario_rendezvous(rank: int, world: int, port: int, port2: int, port3: int
     if rank == 1:
         BroadcastSender(layout, group, 1, direct_min=DIRECT_MIN).send(make_state(5), 5, DEADLINE)
     elif rank == 2:
-        consumer = StagingConsumer(layout, base)
+        consumer = RecordingConsumer(layout, base)
         BroadcastReceiver(layout, group, 1).receive(consumer, DEADLINE)
         out["subgroup_checksum"] = checksum(consumer.weights)
     # rank 0 hosts the store the other two still use to build their group: nobody leaves first
@@ -513,9 +431,9 @@ def scenario_ipc(rank: int, world: int, port: int, path: str, backend: str) -> d
             steps["v3"] = send(make_state(3), 3)
         return steps
     with CudaIpcReceiver.attach(_read_name(path), rank - 1) as receiver:
-        consumer = StagingConsumer(layout, make_state(0), target=False)
+        consumer = RecordingConsumer(layout, make_state(0))
 
-        def recv(c: StagingConsumer) -> dict[str, Any]:
+        def recv(c: RecordingConsumer) -> dict[str, Any]:
             result = outcome(lambda: receiver.receive(c, DEADLINE))
             result["applied"] = consumer.version
             result["checksum"] = checksum(consumer.weights)
@@ -526,7 +444,7 @@ def scenario_ipc(rank: int, world: int, port: int, path: str, backend: str) -> d
         if rank == 2:
             other = dict(make_state(0))
             other["layers.7.w"] = torch.zeros(3, 3)
-            steps["layout"] = recv(StagingConsumer(layout_of(other), other))
+            steps["layout"] = recv(RecordingConsumer(layout_of(other), other))
         else:
             steps["layout"] = recv(consumer)
         consumer.fail_on = 1 if rank == 2 else None
@@ -552,15 +470,14 @@ def scenario_ipc_kill(rank: int, world: int, port: int, path: str, victim: int) 
             result = outcome(lambda: sender.send(sd, 2, 20.0))
         return result
     with CudaIpcReceiver.attach(_read_name(path), rank - 1) as receiver:
-        consumer = StagingConsumer(layout, base)
+        consumer = RecordingConsumer(layout, base)
         receiver.receive(consumer, DEADLINE)
         if victim == 1 and rank == 1:
-            consumer.fail_on = -1
 
             def die(index: int, data: torch.Tensor) -> None:
                 if index == 3:
                     os.kill(os.getpid(), signal.SIGKILL)
-                StagingConsumer.consume(consumer, index, data)
+                RecordingConsumer.consume(consumer, index, data)
 
             consumer.consume = die  # type: ignore[method-assign]
         result = outcome(lambda: receiver.receive(consumer, 20.0))

@@ -16,37 +16,37 @@ e.g. ``module.state_dict(keep_vars=True)``), and keeps the seed's strategy names
 
 Every error leaves the applied version in place: out-of-order versions raise VersionError at
 `begin`, a commit with a missing bucket raises IncompleteSyncError, and a transport error ends
-in `abort`, which drops what was received.
+in `abort`, which drops what was received. ``prepare_commit(v, deadline)`` acquires what the
+commit needs (the serving lock, a checked version number) before a receiver votes, so that a
+commit after the vote cannot fail; `abort` releases it.
 
-`DirectBuffer` and `DoubleBuffer` offer their pending storage as landing zones (the wire's
-`BucketTarget` / `TensorTarget`), so a broadcast writes received bytes straight into place
-instead of into a bucket buffer that `consume` copies again: a whole bucket into a flat
-staging buffer (atomic "None", "Double" copy mode), one large tensor into its staging tensor
-("Double" swap mode) or, for the non-atomic in-place "None", into the live tensor itself. The
-targets exist only while a version is pending (between `begin` and `commit`/`abort`).
+`DirectBuffer` and `DoubleBuffer` offer their pending storage as landing zones (`_landing.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import torch
 
-from rlfleet.weightsync._copy import copy_tensors
-from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._copy import copy_pairs
+from rlfleet.weightsync._core import check_version
+from rlfleet.weightsync._deadline import DEFAULT_SERVING_TIMEOUT_S, DEFAULT_SYNC_TIMEOUT_S, Deadline
 from rlfleet.weightsync._errors import IncompleteSyncError, MetadataError, VersionError, WeightSyncError
+from rlfleet.weightsync._landing import LandingMixin
 from rlfleet.weightsync._layout import DEFAULT_BUCKET_BYTES, Layout
-from rlfleet.weightsync._packing import _copy_all, bucket_starts, bucket_views, flat_views
+from rlfleet.weightsync._packing import bucket_starts, flat_views
+from rlfleet.weightsync._serving import ServingLock, ServingMixin
 
 __all__ = ["BufferBase", "DirectBuffer", "DoubleBuffer", "ServingLock", "live_tensors"]
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_COMMIT_TIMEOUT_S = 60.0
+#: How long a commit waits for in-flight requests (in ``prepare_commit``, or in ``commit`` without it).
+DEFAULT_COMMIT_TIMEOUT_S = DEFAULT_SERVING_TIMEOUT_S
 
 
 def live_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -59,62 +59,13 @@ def live_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.state_dict(keep_vars=True))
 
 
-class ServingLock:
-    """Many servers at once, or one committer: a writer-preferring readers/writer lock.
-
-    The serving path wraps each forward pass in `shared()`; a commit takes `exclusive()`, so a
-    request sees all of v or all of v+1. Do not nest `shared()` in one thread while a commit
-    may be waiting (writer preference would make the inner call wait for the commit).
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._waiting_writers = 0
-
-    @contextlib.contextmanager
-    def shared(self, deadline: Deadline | float | None = None) -> Iterator[None]:
-        deadline = Deadline.coerce(deadline)
-        with self._cond:
-            deadline.wait(
-                self._cond,
-                "waiting for a weight commit to finish",
-                lambda: not (self._writer or self._waiting_writers),
-            )
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self, deadline: Deadline | float | None = None) -> Iterator[None]:
-        deadline = Deadline.coerce(deadline)
-        with self._cond:
-            self._waiting_writers += 1
-            try:
-                deadline.wait(
-                    self._cond,
-                    "waiting for in-flight requests before a weight commit",
-                    lambda: not (self._writer or self._readers),
-                )
-            finally:
-                self._waiting_writers -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
-
-
 class BufferBase:
-    """Session bookkeeping shared by the buffers: versions, bucket accounting, abort."""
+    """Session bookkeeping shared by the buffers: versions, bucket accounting, prepare, abort.
+
+    A subclass fills the hooks: `_begin`, `_stage` (take a bucket), `_prepare` (acquire what
+    `_publish` needs; released by `_unprepare`), `_publish` (make the version visible; after a
+    successful `_prepare` it must neither fail nor block without bound) and `_drop`.
+    """
 
     def __init__(self, layout: Layout) -> None:
         self._layout = layout
@@ -141,8 +92,7 @@ class BufferBase:
         return self._pending
 
     def begin(self, version: int) -> None:
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise VersionError(f"version must be an int, got {version!r}")
+        version = check_version(version)
         with self._state_lock:
             if self._pending is not None:
                 _log.warning(
@@ -175,40 +125,42 @@ class BufferBase:
             self._stage(index, data)
             self._received.add(index)
 
-    def prepare_commit(self, version: int, deadline: Deadline) -> None:
-        """Acquire everything `commit(version)` needs, so that commit cannot fail afterwards.
+    def _check_complete(self, version: int) -> None:
+        """VersionError unless `version` is pending; IncompleteSyncError if a needed bucket is missing."""
+        if self._pending is None or version != self._pending:
+            raise VersionError(f"commit of version {version}, but the pending version is {self._pending}")
+        check_version(version)
+        missing = [i for i in self._needed() if i not in self._received]
+        if missing:
+            first = self._layout.buckets[missing[0]]
+            raise IncompleteSyncError(
+                f"version {version} is missing {len(missing)} of {len(self._layout.buckets)} buckets "
+                f"(first: bucket {first.index}, holding {first.tensors[0].name!r})"
+            )
 
-        Called after every bucket arrived and was verified, before the receiver votes in a
-        two-phase commit; raises (the receiver then votes failure) if it cannot. `abort` after
-        it releases what it acquired.
+    def prepare_commit(
+        self, version: int, deadline: Deadline | float | None = DEFAULT_SYNC_TIMEOUT_S
+    ) -> None:
+        """Acquire everything `commit(version)` needs, so that it cannot fail afterwards.
+
+        Called by a transport after every bucket arrived and before its rank votes; raises
+        (VersionError, IncompleteSyncError, or the hook's error such as a serving-lock timeout)
+        if the commit could not go through. `abort` releases what it acquired.
         """
+        deadline = Deadline.coerce(deadline)
         with self._state_lock:
-            if self._pending is None or version != self._pending:
-                raise VersionError(
-                    f"prepare of version {version}, but the pending version is {self._pending}"
-                )
-            missing = [b.index for b in self._layout.buckets if b.index not in self._received]
-            if missing:
-                raise IncompleteSyncError(
-                    f"version {version} is missing {len(missing)} of {len(self._layout.buckets)} buckets "
-                    f"(first: bucket {missing[0]})"
-                )
-            self._prepare(version, deadline)
-            self._prepared = version
+            self._check_complete(version)
+            if self._prepared != version:
+                self._prepare(version, deadline)
+                self._prepared = version
 
     def commit(self, version: int) -> None:
         with self._state_lock:
-            if self._pending is None or version != self._pending:
-                raise VersionError(f"commit of version {version}, but the pending version is {self._pending}")
-            missing = [b.index for b in self._layout.buckets if b.index not in self._received]
-            if missing:
-                first = self._layout.buckets[missing[0]]
-                error = IncompleteSyncError(
-                    f"version {version} is missing {len(missing)} of {len(self._layout.buckets)} buckets "
-                    f"(first: bucket {first.index}, holding {first.tensors[0].name!r})"
-                )
+            try:
+                self._check_complete(version)
+            except IncompleteSyncError as error:
                 self.abort(error)
-                raise error
+                raise
             try:
                 self._publish(version)
             except BaseException as exc:
@@ -227,6 +179,8 @@ class BufferBase:
 
     def _drop_pending(self) -> None:
         try:
+            if self._prepared is not None:
+                self._unprepare()
             self._drop()
         finally:
             self._pending = None
@@ -234,14 +188,21 @@ class BufferBase:
             self._received = set()
 
     # -- strategy hooks -------------------------------------------------------------------
-    def _begin(self, version: int) -> None:  # pragma: no cover - trivial default
-        pass
+    def _needed(self) -> Iterable[int]:
+        """The buckets a commit needs (every bucket of the layout)."""
+        return range(len(self._layout.buckets))
 
-    def _prepare(self, version: int, deadline: Deadline) -> None:  # pragma: no cover - trivial default
+    def _begin(self, version: int) -> None:  # pragma: no cover - trivial default
         pass
 
     def _stage(self, index: int, data: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _prepare(self, version: int, deadline: Deadline) -> None:
+        pass
+
+    def _unprepare(self) -> None:
+        pass
 
     def _publish(self, version: int) -> None:
         raise NotImplementedError
@@ -267,134 +228,7 @@ def _storage_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for every pair: on CPU shared among a few threads (`copy_tensors`),
-    since one thread copies at a fraction of the memory bus and a receiver's copy of the last
-    bucket (or the commit's copy of the whole model) is time the sync waits for."""
-    if not dsts:
-        return
-    with torch.no_grad():
-        if all(t.device.type == "cpu" for t in dsts) and all(t.device.type == "cpu" for t in srcs):
-            copy_tensors(dsts, srcs)
-        else:
-            _copy_all(dsts, srcs)
-
-
-def _copy_bucket_except(
-    region: torch.Tensor, data: torch.Tensor, layout: Layout, index: int, skip: set[str]
-) -> None:
-    """``region <- data`` for bucket `index` (flat uint8), except the bytes of tensors in `skip`.
-
-    Nothing to do when `data` already is `region` (the transport landed the bucket there).
-    """
-    if data.numel() == 0 or (data.device == region.device and data.data_ptr() == region.data_ptr()):
-        return
-    dsts: list[torch.Tensor] = []
-    srcs: list[torch.Tensor] = []
-    cursor = 0
-    for spec in layout.buckets[index].tensors if skip else ():
-        if spec.name in skip:
-            if spec.offset > cursor:
-                dsts.append(region[cursor : spec.offset])
-                srcs.append(data[cursor : spec.offset])
-            cursor = max(cursor, spec.offset + spec.nbytes)
-    if cursor < data.numel():
-        dsts.append(region[cursor:])
-        srcs.append(data[cursor:])
-    _copy_pairs(dsts, srcs)
-
-
-def _unpack_except(
-    layout: Layout, index: int, data: torch.Tensor, destination: Mapping[str, torch.Tensor], skip: set[str]
-) -> None:
-    """`unpack_bucket_into`, leaving the tensors in `skip` (already written in place) alone."""
-    views = bucket_views(layout, index, data)
-    names = [name for name in views if name not in skip]
-    _copy_pairs([destination[n] for n in names], [views[n] for n in names])
-
-
-class _LandingMixin:
-    """`BucketTarget` / `TensorTarget` for a buffer: where a transport may write the pending version.
-
-    A subclass says where bucket `index` / tensor `name` of the pending version lives
-    (`_flat_pending`, `_tensor_home`); targets are handed out only while a version is pending.
-    A tensor target is remembered, so `consume` does not overwrite it with the (unspecified)
-    bytes the bucket then holds for it. The transport writes a target only if it lives on its
-    device, and ``consume`` receives data on that device: a remembered tensor on another device
-    than the data was not written, and is copied as usual.
-    """
-
-    _layout: Layout
-    _pending: int | None
-    _state_lock: threading.RLock
-    _starts: list[int]
-    _landed: dict[str, torch.device]
-
-    def _flat_pending(self) -> torch.Tensor | None:
-        """A flat uint8 buffer of every bucket back to back (`bucket_starts`), or None."""
-        return None
-
-    def _tensor_home(self, name: str) -> torch.Tensor | None:
-        return None
-
-    def _on_land(self) -> None:
-        pass
-
-    def bucket_target(self, index: int) -> torch.Tensor | None:
-        """Bucket `index`'s region of the pending flat staging buffer, if there is one."""
-        with self._state_lock:
-            buckets = self._layout.buckets
-            if self._pending is None or isinstance(index, bool) or not isinstance(index, int):
-                return None
-            if not 0 <= index < len(buckets):
-                return None
-            flat = self._flat_pending()
-            if flat is None:
-                return None
-            start = self._starts[index]
-            return flat[start : start + buckets[index].nbytes]
-
-    def tensor_target(self, name: str) -> torch.Tensor | None:
-        """Where tensor `name` of the pending version lives, if contiguous and of its layout type."""
-        with self._state_lock:
-            if self._pending is None or name not in self._layout:
-                return None
-            spec = self._layout[name]
-            home = self._tensor_home(name)
-            if (
-                home is None
-                or not home.is_contiguous()
-                or home.dtype != spec.torch_dtype
-                or tuple(home.shape) != spec.shape
-            ):
-                return None
-            self._landed[name] = home.device
-            self._on_land()
-            return home.detach()
-
-    def _landed_in(self, index: int, data: torch.Tensor) -> set[str]:
-        """Tensors of bucket `index` the transport wrote in place (not to be copied from `data`)."""
-        if not self._landed:
-            return set()
-        return {
-            spec.name
-            for spec in self._layout.buckets[index].tensors
-            if self._landed.get(spec.name) == data.device
-        }
-
-
-class _ServingMixin:
-    serving_lock: ServingLock
-    commit_timeout_s: float | None
-
-    @contextlib.contextmanager
-    def serving(self, deadline: Deadline | float | None = None) -> Iterator[None]:
-        """Hold around a forward pass: a commit waits for it, and it never sees half a version."""
-        with self.serving_lock.shared(deadline):
-            yield
-
-
-class DirectBuffer(_LandingMixin, _ServingMixin, BufferBase):
+class DirectBuffer(LandingMixin, ServingMixin, BufferBase):
     """Strategy "None": nothing kept between syncs.
 
     With ``max_staging_bytes=None`` (default) or a cap at least the layout's size, the version
@@ -459,22 +293,17 @@ class DirectBuffer(_LandingMixin, _ServingMixin, BufferBase):
             self.peak_extra_bytes = max(self.peak_extra_bytes, self._staging.numel())
 
     def _stage(self, index: int, data: torch.Tensor) -> None:
-        skip = self._landed_in(index, data)
-        if self._staging is not None:
-            start = self._starts[index]
-            region = self._staging[start : start + data.numel()]
-            _copy_bucket_except(region, data, self._layout, index, skip)
-            return
-        self.torn = True
-        _unpack_except(self._layout, index, data, self.live, skip)
+        if self._staging is None:
+            self.torn = True
+        self._land(index, data, self._staging, self.live)
 
     def _publish(self, version: int) -> None:
         staging = self._staging
-        if staging is not None:
-            views = flat_views(self._layout, staging)
-            names = list(views)
-            with self.serving_lock.exclusive(self.commit_timeout_s):
-                _copy_pairs([self.live[n] for n in names], [views[n] for n in names])
+        with self._committing():
+            if staging is not None:
+                views = flat_views(self._layout, staging)
+                names = list(views)
+                copy_pairs([self.live[n] for n in names], [views[n] for n in names])
         self._staging = None
         self._landed = {}
         self.torn = False
@@ -491,7 +320,7 @@ class DirectBuffer(_LandingMixin, _ServingMixin, BufferBase):
             )
 
 
-class DoubleBuffer(_LandingMixin, _ServingMixin, BufferBase):
+class DoubleBuffer(LandingMixin, ServingMixin, BufferBase):
     """Strategy "Double": a full staging copy, allocated once and reused for every version.
 
     The receiver keeps serving version v (under `serving()`) while v+1 lands in staging;
@@ -557,23 +386,17 @@ class DoubleBuffer(_LandingMixin, _ServingMixin, BufferBase):
         self._landed = {}
 
     def _stage(self, index: int, data: torch.Tensor) -> None:
-        skip = self._landed_in(index, data)
-        if self._flat is not None:
-            start = self._starts[index]
-            region = self._flat[start : start + data.numel()]
-            _copy_bucket_except(region, data, self._layout, index, skip)
-            return
-        _unpack_except(self._layout, index, data, self.staging, skip)
+        self._land(index, data, self._flat, self.staging)
 
     def _drop(self) -> None:
         self._landed = {}
 
     def _publish(self, version: int) -> None:
         self._landed = {}
-        with self.serving_lock.exclusive(self.commit_timeout_s), torch.no_grad():
+        with self._committing(), torch.no_grad():
             if self.mode == "copy":
                 names = list(self.live)
-                _copy_pairs([self.live[n] for n in names], [self.staging[n] for n in names])
+                copy_pairs([self.live[n] for n in names], [self.staging[n] for n in names])
                 return
             for name, tensor in self.live.items():
                 previous = tensor.data

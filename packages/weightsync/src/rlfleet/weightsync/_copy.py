@@ -4,12 +4,10 @@ One thread copies at about a third of what the memory bus gives, and a worker pr
 runs torch with one intra-op thread; plain Python threads, each copying a contiguous share of
 the bytes, reach the bus (the copies below release the GIL). Plain CPU pairs (same dtype,
 contiguous, no conjugate/negative bit) are copied by the C library's ``memmove``, which
-streams large copies past the cache and was markedly faster than torch's ``copy_`` on the
-2-core dev box (`benchmarks/weightsync.py`'s memcpy bound, 1 GiB over two threads: about
-60 ms with it, over 100 ms with ``copy_`` in earlier runs). Autograd still sees
-the write (the destination's version counter is bumped, as ``copy_`` does). Used where one
-process writes a whole model (a node's shared buffer, once per version, and the buffers'
-copies into live tensors).
+streams large copies past the cache (`benchmarks/weightsync.py`'s memcpy bound measures what
+it reaches). Autograd still sees the write (the destination's version counter is bumped, as
+``copy_`` does). Used where one process writes a whole model (a node's shared buffer, once per
+version, and the buffers' copies into live tensors).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.autograd.graph import increment_version
 
-__all__ = ["copy_tensors", "default_copy_threads"]
+__all__ = ["copy_pairs", "copy_tensors", "default_copy_threads"]
 
 #: Below this many bytes per thread a split costs more than it saves.
 MIN_BYTES_PER_THREAD = 16 * 1024 * 1024
@@ -148,3 +146,27 @@ def copy_tensors(
             first_error = first_error or exc
     if first_error is not None:
         raise first_error
+
+
+def copy_pairs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, threaded: bool = True) -> None:
+    """``dst.copy_(src)`` for every pair, without autograd, in as few calls as the devices allow.
+
+    CPU pairs are shared among threads (`copy_tensors`) when `threaded`, else copied by one
+    fused torch call (a bucket of small tensors, where threads would not pay); pairs on one
+    other device take one fused call; pairs across devices are copied one by one.
+    """
+    if not dsts:
+        return
+    with torch.no_grad():
+        if all(t.device.type == "cpu" for t in dsts) and all(t.device.type == "cpu" for t in srcs):
+            if threaded:
+                copy_tensors(dsts, srcs)
+            else:
+                torch._foreach_copy_(list(dsts), list(srcs))
+            return
+        device = dsts[0].device
+        if all(t.device == device for t in dsts) and all(t.device == device for t in srcs):
+            torch._foreach_copy_(list(dsts), list(srcs))
+            return
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src)

@@ -8,6 +8,11 @@ itself `fired`. An aborted collective may return without raising, so the caller 
 `stand_down_refit_watchdog`: when a peer is known dead its sockets close and survivors unblock
 on their own, while firing would abort a healthy communicator; it disarms every armed watchdog
 in the process, without blocking, and returns how many.
+
+Every blocking call of the package takes a deadline and has a finite default:
+`DEFAULT_SYNC_TIMEOUT_S` for a whole sync (a send, a receive, a gather) and
+`DEFAULT_SERVING_TIMEOUT_S` for the serving lock (a request waiting for a commit, a commit
+waiting for requests). ``None`` still means "no limit", but only when a caller passes it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from typing import Any
 from rlfleet.weightsync._errors import SyncAbortedError, SyncTimeoutError
 
 __all__ = [
+    "DEFAULT_SERVING_TIMEOUT_S",
+    "DEFAULT_SYNC_TIMEOUT_S",
+    "MAX_DEADLINE_S",
     "Backoff",
     "Deadline",
     "Watchdog",
@@ -33,15 +41,27 @@ __all__ = [
     "caller_deadline",
     "current_deadline",
     "deadline_or",
-    "stand_down",
     "stand_down_armed_watchdogs",
 ]
 
 _log = logging.getLogger(__name__)
 
+#: Default deadline of one whole sync (send, receive, gather): generous for a large model over a
+#: slow link, short enough that a silent peer is named within minutes, not never.
+DEFAULT_SYNC_TIMEOUT_S = 600.0
+#: Default wait on a serving lock: a request for a commit to finish, a commit for requests.
+DEFAULT_SERVING_TIMEOUT_S = 60.0
+#: Longer deadlines are held as this many seconds (about 31 years): the clocks and the waits
+#: underneath (thread locks, timedelta, torch's millisecond timeouts) overflow far above it.
+MAX_DEADLINE_S = 1e9
+
 
 class Deadline:
-    """A fixed point on the monotonic clock, ``seconds`` from creation; ``None`` never expires."""
+    """A fixed point on the monotonic clock, ``seconds`` from creation; ``None`` never expires.
+
+    ``inf`` is no limit, like ``None``; a finite number above `MAX_DEADLINE_S` is held as
+    `MAX_DEADLINE_S` (so every wait underneath stays in range).
+    """
 
     __slots__ = ("_end", "_start", "seconds")
 
@@ -51,7 +71,7 @@ class Deadline:
                 raise ValueError(f"deadline seconds must be a number or None, got {seconds!r}")
             if seconds < 0:
                 raise ValueError(f"deadline seconds must be >= 0, got {seconds!r}")
-        self.seconds = None if seconds is None or math.isinf(seconds) else float(seconds)
+        self.seconds = None if seconds is None or math.isinf(seconds) else min(float(seconds), MAX_DEADLINE_S)
         self._start = time.monotonic()
         self._end = None if self.seconds is None else self._start + self.seconds
 
@@ -60,10 +80,6 @@ class Deadline:
         """Accept a Deadline (shared as is), a number of seconds, or None (no limit)."""
         return value if isinstance(value, Deadline) else cls(value)
 
-    @classmethod
-    def never(cls) -> Deadline:
-        return cls(None)
-
     def child(self, seconds: float | None) -> Deadline:
         """A deadline ``seconds`` from now, but never later than this one (for one sub-step)."""
         inner = Deadline(seconds)
@@ -71,6 +87,15 @@ class Deadline:
             inner.seconds = self.seconds
             inner._start = self._start
             inner._end = self._end
+        return inner
+
+    def leaving(self, seconds: float) -> Deadline:
+        """A deadline `seconds` before this one (for a step that must leave time for the next)."""
+        inner = Deadline(None)
+        if self._end is not None and self.seconds is not None:
+            inner.seconds = max(0.0, self.seconds - seconds)
+            inner._start = self._start
+            inner._end = self._end - seconds
         return inner
 
     def remaining(self) -> float | None:
@@ -202,7 +227,6 @@ class Watchdog:
         self._lock = threading.Lock()
         self._state = _IDLE
         self._timer: threading.Timer | None = None
-        self._fired_at: float | None = None
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -228,7 +252,6 @@ class Watchdog:
             if self._state == _ARMED:
                 raise RuntimeError(f"watchdog {self.name!r} is already armed")
             self._state = _ARMED
-            self._fired_at = None
             timer = threading.Timer(self.timeout_s, self._fire)
             timer.daemon = True
             timer.name = f"rlfleet-watchdog-{self.name}"
@@ -263,7 +286,6 @@ class Watchdog:
             if self._state != _ARMED:
                 return
             self._state = _FIRED
-            self._fired_at = time.monotonic()
             callbacks = list(self._callbacks)
         with _registry_lock:
             _armed.discard(self)
@@ -317,10 +339,6 @@ def stand_down_armed_watchdogs() -> int:
     return sum(1 for watchdog in armed_watchdogs() if watchdog.stand_down())
 
 
-#: Short alias of `stand_down_armed_watchdogs` (the NeMo RL worker calls it `stand_down_refit_watchdog`).
-stand_down = stand_down_armed_watchdogs
-
-
 # -- the caller's deadline, for hooks whose signature has none ----------------------------------
 
 _caller_deadline: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
@@ -352,6 +370,6 @@ def deadline_or(value: Deadline | float | None, default_s: float) -> Deadline:
     """A Deadline from a caller's argument: a Deadline as is, seconds, or None for `default_s`.
 
     Every blocking call has a finite deadline by default; a caller who wants none says so
-    (``math.inf`` or ``Deadline.never()``).
+    (``math.inf``).
     """
     return Deadline.coerce(default_s if value is None else value)

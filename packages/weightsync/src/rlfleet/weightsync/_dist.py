@@ -21,9 +21,11 @@ import torch.distributed as dist
 
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import PeerLostError, SyncTimeoutError, WeightSyncError
+from rlfleet.weightsync._frames import DEFAULT_DIRECT_MIN_BYTES
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._member import MemberGroup
-from rlfleet.weightsync._wire import DEFAULT_DIRECT_MIN_BYTES, ProtocolReceiver, ProtocolSender
+from rlfleet.weightsync._wire_receiver import ProtocolReceiver
+from rlfleet.weightsync._wire_sender import ProtocolSender
 
 __all__ = ["BroadcastReceiver", "BroadcastSender", "MemberWire", "TorchWire", "map_dist_error"]
 
@@ -97,7 +99,7 @@ class _TorchPending:
 
 
 class _GroupMember:
-    """What every wire states about itself: its device, its rank and the group's size."""
+    """What every wire states about itself: its device, its rank in the group and the group's size."""
 
     def __init__(self, device: torch.device, rank: int, size: int) -> None:
         self._device = device
@@ -214,10 +216,13 @@ class BroadcastSender(ProtocolSender):
 
     `group` is a torch ProcessGroup of the default world (None: the world), with `src_rank`
     the sender's global rank, or a `MemberGroup`, with `src_rank` the sender's member rank.
-    ``send(state_dict, version, deadline)`` returns `SyncStats` once every receiver committed;
-    it raises (and no receiver applies anything) if a receiver rejects the layout or version,
-    fails a bucket, or if the state dict does not fit `layout`. Extra memory: at most two
-    bucket buffers (large tensors travel straight from their own storage).
+    ``send(state_dict, version, deadline, buckets=None)`` returns `SyncStats` once every
+    receiver committed; it raises (and no receiver applies anything) if a receiver rejects the
+    layout or version, fails a bucket or cannot prepare its commit, or if the state dict does
+    not fit `layout`. ``buckets`` sends only that share of the layout (several senders, each
+    in its own group, assembled on the receivers by `Assembly`). The deadline defaults to
+    `DEFAULT_SYNC_TIMEOUT_S`. Extra memory: at most two bucket buffers (large tensors travel
+    straight from their own storage).
     """
 
     def __init__(
@@ -236,7 +241,9 @@ class BroadcastReceiver(ProtocolReceiver):
     """Receives versions from `src_rank` into a `BucketConsumer` (``receive(consumer, deadline)``).
 
     `group` and `src_rank` as for `BroadcastSender`: a torch ProcessGroup and the sender's
-    global rank, or a `MemberGroup` and the sender's member rank.
+    global rank, or a `MemberGroup` and the sender's member rank. ``buckets=`` names the share
+    this sender sends (an `Assembly` part's share); the deadline defaults to
+    `DEFAULT_SYNC_TIMEOUT_S`.
     """
 
     def __init__(

@@ -42,8 +42,8 @@ __all__ = [
     "DoubleEndpoint",
     "ShardedEndpoint",
     "SharedEndpoint",
-    "WeightEndpoint",
     "TransportReceiver",
+    "WeightEndpoint",
     "commit_consumer",
     "create_endpoint",
 ]

@@ -6,13 +6,19 @@ decide whether to retry. Whatever the error, the receiver's previous version sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class WeightSyncError(RuntimeError):
     """Base class: the sync did not complete and nothing new was applied."""
 
 
 class LayoutMismatchError(WeightSyncError):
-    """Sender and receiver disagree about a parameter (name, shape or dtype)."""
+    """Sender and receiver disagree about a parameter (name, shape or dtype).
+
+    `parameter` is the name of the first parameter that differs, as data (never parsed back
+    out of the message), or None when no single parameter is to blame.
+    """
 
     def __init__(self, message: str, parameter: str | None = None) -> None:
         super().__init__(message)
@@ -80,3 +86,11 @@ class SlotsStillMappedError(WeightSyncError):
 class UnsafeSegmentError(WeightSyncError, PermissionError):
     """A shared-memory segment is not private to this user (another owner, or a mode other than
     0600): anyone could have made or changed it, so it is not mapped."""
+
+
+class RendezvousTimeoutError(SyncTimeoutError):
+    """Some ranks did not join a group in time; `missing` names them."""
+
+    def __init__(self, message: str, missing: Sequence[int]) -> None:
+        super().__init__(message)
+        self.missing = list(missing)

@@ -21,6 +21,8 @@ def decode_json(raw: bytes | bytearray | str, what: str, limit: int | None = Non
 
     `limit` caps the size in bytes (characters for text) before anything is parsed.
     """
+    if not isinstance(raw, (bytes, bytearray, str)):
+        raise MetadataError(f"{what} must be bytes or text, got {type(raw).__name__}")
     if limit is not None and len(raw) > limit:
         raise MetadataError(f"{what} is {len(raw)} bytes, over the {limit}-byte limit")
     try:

@@ -15,6 +15,7 @@ the timeout instead of leaving the others inside gloo's (or NCCL's) connect.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,20 +30,20 @@ __all__ = ["MemberGroup"]
 BACKENDS = ("gloo", "nccl")
 
 
+@dataclass(frozen=True, repr=False, eq=False)
 class MemberGroup:
     """A gloo (or nccl) process group among `size` members; ranks are member ranks 0..size-1.
 
     Build it with `MemberGroup.create`. `process_group` is torch's backend object (collectives
-    take its own options, e.g. ``pg.broadcast([t], opts)``); `MemberWire` adapts it to the sync
-    protocol, and `BroadcastSender` / `BroadcastReceiver` accept a MemberGroup as their group.
+    take its own options, e.g. ``pg.broadcast([t], opts)``); `rank` is this process's member
+    rank. `BroadcastSender` / `BroadcastReceiver` accept a MemberGroup as their group.
     """
 
-    def __init__(self, process_group: Any, prefix: str, rank: int, size: int, backend: str) -> None:
-        self._pg = process_group
-        self._prefix = prefix
-        self._rank = rank
-        self._size = size
-        self._backend = backend
+    process_group: Any
+    prefix: str
+    rank: int
+    size: int
+    backend: str
 
     @classmethod
     def create(
@@ -86,29 +87,5 @@ class MemberGroup:
 
         return cls(build_group(build, what, roster), prefix, rank, size, backend)
 
-    @property
-    def rank(self) -> int:
-        """This process's member rank."""
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def backend(self) -> str:
-        return self._backend
-
-    @property
-    def prefix(self) -> str:
-        return self._prefix
-
-    @property
-    def process_group(self) -> Any:
-        """torch's backend object (``ProcessGroupGloo`` / ``ProcessGroupNCCL``)."""
-        return self._pg
-
     def __repr__(self) -> str:
-        return (
-            f"MemberGroup({self._prefix!r}, rank={self._rank}, size={self._size}, backend={self._backend!r})"
-        )
+        return f"MemberGroup({self.prefix!r}, rank={self.rank}, size={self.size}, backend={self.backend!r})"

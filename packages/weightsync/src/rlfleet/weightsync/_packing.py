@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
+from rlfleet.weightsync._copy import copy_pairs
 from rlfleet.weightsync._errors import LayoutMismatchError, MetadataError
 from rlfleet.weightsync._layout import Layout, TensorSpec
 
@@ -80,23 +81,13 @@ def _views(layout: Layout, index: int, buffer: torch.Tensor) -> list[torch.Tenso
     return out
 
 
-def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """`dst.copy_(src)` for every pair; one call on CPU (no per-tensor Python overhead)."""
-    if all(t.device.type == "cpu" for t in destinations) and all(t.device.type == "cpu" for t in sources):
-        torch._foreach_copy_(destinations, sources)
-        return
-    for dst, src in zip(destinations, sources, strict=True):
-        dst.copy_(src)
-
-
 def pack_bucket(
     layout: Layout, index: int, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor
 ) -> torch.Tensor:
     """Write bucket `index` of `tensors` into `buffer`; returns the bucket's slice of it."""
     nbytes = _check_buffer(layout, index, buffer)
     sources = [_source(tensors, spec).detach() for spec in layout.buckets[index].tensors]
-    with torch.no_grad():
-        _copy_all(_views(layout, index, buffer), sources)
+    copy_pairs(_views(layout, index, buffer), sources, threaded=False)
     return buffer[:nbytes]
 
 
@@ -113,8 +104,7 @@ def unpack_bucket_into(
     """Copy bucket `index` from `buffer` into the matching tensors of `destination`."""
     _check_buffer(layout, index, buffer)
     targets = [_source(destination, spec) for spec in layout.buckets[index].tensors]
-    with torch.no_grad():
-        _copy_all(targets, _views(layout, index, buffer))
+    copy_pairs(targets, _views(layout, index, buffer), threaded=False)
 
 
 def pack_all(

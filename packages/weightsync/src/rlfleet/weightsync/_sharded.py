@@ -16,16 +16,16 @@ owned buckets straight into place.
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlfleet.weightsync._deadline import Deadline
-from rlfleet.weightsync._errors import IncompleteSyncError, MetadataError, VersionError, WeightSyncError
+from rlfleet.weightsync._buffers import BufferBase
+from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline
+from rlfleet.weightsync._dist import _TorchPending
+from rlfleet.weightsync._errors import IncompleteSyncError, MetadataError, VersionError
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import bucket_views
 
@@ -58,7 +58,7 @@ def _digest_word(layout: Layout) -> int:
     return int.from_bytes(hashlib.sha256(layout.digest.encode()).digest()[:7], "little")
 
 
-class ShardedBuffer:
+class ShardedBuffer(BufferBase):
     """A receiver's 1/N share of the model; `gather` rebuilds the whole on every member."""
 
     def __init__(
@@ -70,7 +70,7 @@ class ShardedBuffer:
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a sharded group of {world_size}")
-        self._layout = layout
+        super().__init__(layout)
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device)
@@ -90,36 +90,11 @@ class ShardedBuffer:
         self.owned: tuple[int, ...] = tuple(self.ranges[rank])
         self._applied = torch.zeros(self.shard_bytes, dtype=torch.uint8, device=self.device)
         self._pending_shard: torch.Tensor | None = None
-        self._version = -1
-        self._pending: int | None = None
-        self._seen: set[int] = set()
-        self._lock = threading.RLock()
-        self.last_error: BaseException | None = None
-
-    # -- BucketConsumer -------------------------------------------------------------------
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     @property
     def extra_bytes(self) -> int:
         """Bytes held for this member's share (one shard, two while a sync is pending)."""
         return self.shard_bytes * (1 if self._pending_shard is None else 2)
-
-    def begin(self, version: int) -> None:
-        with self._lock:
-            if isinstance(version, bool) or not isinstance(version, int) or version <= self._version:
-                raise VersionError(
-                    f"version {version!r} is not newer than the applied version {self._version}"
-                )
-            self._pending = version
-            self._seen = set()
-            if self._pending_shard is None:
-                self._pending_shard = torch.empty(self.shard_bytes, dtype=torch.uint8, device=self.device)
 
     def _region(self, shard: torch.Tensor, index: int) -> torch.Tensor:
         start = self._offset[index]
@@ -127,55 +102,32 @@ class ShardedBuffer:
 
     def bucket_target(self, index: int) -> torch.Tensor | None:
         """Where an owned bucket may land directly (the pending shard); None for the others."""
-        with self._lock:
+        with self._state_lock:
             if self._pending is None or self._pending_shard is None or self._owner.get(index) != self.rank:
                 return None
             return self._region(self._pending_shard, index)
 
-    def consume(self, index: int, data: torch.Tensor) -> None:
-        with self._lock:
-            if self._pending is None or self._pending_shard is None:
-                raise WeightSyncError(f"bucket {index} arrived outside a sync (no begin, or after abort)")
-            if index not in self._owner:
-                raise MetadataError(
-                    f"bucket {index!r} does not exist (layout has {len(self._layout.buckets)})"
-                )
-            nbytes = self._layout.buckets[index].nbytes
-            if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != nbytes:
-                raise MetadataError(
-                    f"bucket {index} must be {nbytes} flat uint8 bytes, got {data.dtype} {tuple(data.shape)}"
-                )
-            if self._owner[index] == self.rank:
-                region = self._region(self._pending_shard, index)
-                if region.data_ptr() != data.data_ptr():
-                    region.copy_(data)
-            self._seen.add(index)
+    # -- BufferBase hooks -------------------------------------------------------------------
+    def _needed(self) -> tuple[int, ...]:
+        return self.owned
 
-    def commit(self, version: int) -> None:
-        with self._lock:
-            if self._pending != version or self._pending_shard is None:
-                raise VersionError(f"commit of version {version}, but the pending version is {self._pending}")
-            missing = [i for i in self.owned if i not in self._seen]
-            if missing:
-                error = IncompleteSyncError(
-                    f"version {version}: owned bucket {missing[0]} never arrived ({len(missing)} missing)"
-                )
-                self.abort(error)
-                raise error
-            self._applied, self._pending_shard = self._pending_shard, self._applied
-            self._version = version
-            self._pending = None
-            self._seen = set()
+    def _begin(self, version: int) -> None:
+        if self._pending_shard is None:
+            self._pending_shard = torch.empty(self.shard_bytes, dtype=torch.uint8, device=self.device)
 
-    def abort(self, error: BaseException) -> None:
-        with self._lock:
-            self.last_error = error
-            self._pending = None
-            self._seen = set()
+    def _stage(self, index: int, data: torch.Tensor) -> None:
+        if self._owner[index] == self.rank and self._pending_shard is not None:
+            region = self._region(self._pending_shard, index)
+            if region.data_ptr() != data.data_ptr():
+                region.copy_(data)
+
+    def _publish(self, version: int) -> None:
+        assert self._pending_shard is not None
+        self._applied, self._pending_shard = self._pending_shard, self._applied
 
     def release_pending(self) -> None:
         """Free the second shard between syncs (it is re-allocated by the next `begin`)."""
-        with self._lock:
+        with self._state_lock:
             if self._pending is None:
                 self._pending_shard = None
 
@@ -188,17 +140,16 @@ class ShardedBuffer:
     def gather(
         self,
         group: Any = None,
-        deadline: Deadline | float | None = None,
+        deadline: Deadline | float | None = DEFAULT_SYNC_TIMEOUT_S,
         out: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """All-gather every member's applied shard; views of every tensor, in layout order.
 
         Every member of `group` (whose ranks must match the buffers' ranks) calls it. Raises
         VersionError if members hold different versions, and the mapped transport errors
-        (`SyncTimeoutError`, `PeerLostError`) if a member is late or gone.
+        (`SyncTimeoutError`, `PeerLostError`) if a member is late or gone; the deadline
+        defaults to `DEFAULT_SYNC_TIMEOUT_S`.
         """
-        from rlfleet.weightsync._dist import map_dist_error
-
         deadline = Deadline.coerce(deadline)
         group_rank = dist.get_rank(group)
         size = dist.get_world_size(group)
@@ -209,20 +160,9 @@ class ShardedBuffer:
             )
 
         def wait(work: Any, what: str) -> None:
-            left = deadline.remaining()
-            try:
-                if left is None:
-                    work.wait()
-                elif left <= 0:
-                    raise deadline.error(what)
-                else:
-                    work.wait(timeout=timedelta(seconds=left))
-            except WeightSyncError:
-                raise
-            except Exception as exc:
-                raise map_dist_error(exc, what) from exc
+            _TorchPending(work, what).wait(deadline, what)
 
-        with self._lock:
+        with self._state_lock:
             applied, version = self._applied, self._version
         ident = torch.tensor([version, _digest_word(self._layout)], dtype=torch.int64, device=self.device)
         idents = torch.empty(2 * size, dtype=torch.int64, device=self.device)

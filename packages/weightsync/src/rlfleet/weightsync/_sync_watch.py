@@ -83,6 +83,9 @@ class WatchedDeadline(Deadline):
     def child(self, seconds: float | None) -> Deadline:
         return Deadline(seconds) if self._lifted else super().child(seconds)
 
+    def leaving(self, seconds: float) -> Deadline:
+        return Deadline(None) if self._lifted else super().leaving(seconds)
+
 
 class _SyncWatchdog(Watchdog):
     """The watchdog of one sync: standing it down also lifts the sync's deadline."""

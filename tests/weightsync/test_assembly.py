@@ -1,0 +1,188 @@
+"""Assembly and RecordingConsumer in one process: shares checked, a version committed only when
+every sender's share arrived, an abort of any part keeps the previous version. (The same over
+real gloo, with a sender killed mid-version, is in test_commit_protocol.py.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import shm_workers as w
+import torch
+
+from rlfleet.weightsync import (
+    Assembly,
+    BucketConsumer,
+    BucketTarget,
+    DoubleBuffer,
+    IncompleteSyncError,
+    Layout,
+    MetadataError,
+    RecordingConsumer,
+    SyncAbortedError,
+    TensorTarget,
+    VersionError,
+    checksum,
+    pack_bucket,
+)
+
+BUCKET = 8 * 1024
+
+
+def _layout() -> Layout:
+    return w.layout_of(w.make_state(1), BUCKET)
+
+
+def _halves(layout: Layout) -> dict[str, list[int]]:
+    half = len(layout.buckets) // 2
+    return {"a": list(range(half)), "b": list(range(half, len(layout.buckets)))}
+
+
+def _feed(consumer: BucketConsumer, state: dict[str, torch.Tensor], indices: list[int]) -> None:
+    layout = consumer.layout
+    scratch = torch.empty(layout.max_bucket_nbytes, dtype=torch.uint8)
+    for i in indices:
+        consumer.consume(i, pack_bucket(layout, i, state, scratch).clone())
+
+
+@pytest.mark.parametrize(
+    ("shares", "words"),
+    [
+        ({}, "at least one sender"),
+        ({"a": [0, 1], "b": [1]}, "in the shares of both 'a' and 'b'"),
+        ({"a": [0]}, "to no sender"),
+        ({"a": [999]}, "not a bucket"),
+        ({"": [0]}, "non-empty strings"),
+    ],
+)
+def test_shares_must_be_disjoint_and_cover_the_layout(shares: dict[str, list[int]], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        Assembly(RecordingConsumer(_layout()), shares)
+
+
+def test_two_parts_from_two_threads_commit_one_version_bit_exact() -> None:
+    layout = _layout()
+    shares = _halves(layout)
+    inner = DoubleBuffer(w.zeros_like_layout(layout), layout)
+    assembly = Assembly(inner, shares)
+    state = w.make_state(1)
+
+    def sender(name: str) -> None:
+        part = assembly.part(name)
+        part.begin(1)
+        _feed(part, state, shares[name])
+        part.prepare_commit(1, 10.0)  # waits for the other part's buckets
+        part.commit(1)
+
+    threads = [threading.Thread(target=sender, args=(s,)) for s in shares]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert inner.version == 1
+    assert assembly.version == 1
+    assert checksum(inner.live) == checksum(state)
+    assembly.commit(1)  # already applied: a no-op
+
+
+def test_a_missing_bucket_is_an_incomplete_sync_naming_the_sender() -> None:
+    layout = _layout()
+    shares = _halves(layout)
+    inner = RecordingConsumer(layout)
+    assembly = Assembly(inner, shares)
+    state = w.make_state(1)
+    for name in shares:
+        assembly.part(name).begin(1)
+    _feed(assembly.part("a"), state, shares["a"])
+    _feed(assembly.part("b"), state, shares["b"][:-1])
+    with pytest.raises(IncompleteSyncError, match=rf"sender 'b' is missing buckets \[{shares['b'][-1]}\]"):
+        assembly.commit(1)
+    assert inner.version == -1
+    assert inner.aborts  # the inner consumer dropped the version
+    with pytest.raises(SyncAbortedError, match="sender 'b'"):  # and every part now refuses it
+        assembly.part("a").prepare_commit(1, 1.0)
+
+
+def test_a_part_that_times_out_waiting_names_the_late_sender() -> None:
+    layout = _layout()
+    shares = _halves(layout)
+    assembly = Assembly(RecordingConsumer(layout), shares)
+    part = assembly.part("a")
+    part.begin(1)
+    _feed(part, w.make_state(1), shares["a"])
+    with pytest.raises(IncompleteSyncError, match="sender 'b'"):
+        part.prepare_commit(1, 0.2)
+
+
+def test_an_abort_of_one_part_keeps_the_previous_version() -> None:
+    layout = _layout()
+    shares = _halves(layout)
+    inner = DoubleBuffer(w.zeros_like_layout(layout), layout)
+    assembly = Assembly(inner, shares)
+    for version in (1, 2):
+        for name in shares:
+            part = assembly.part(name)
+            part.begin(version)
+            _feed(part, w.make_state(version), shares[name])
+        if version == 2:
+            assembly.part("b").abort(RuntimeError("sender b died"))
+            with pytest.raises(SyncAbortedError, match="sender 'b'"):
+                assembly.part("a").prepare_commit(2, 1.0)
+            break
+        for name in shares:
+            assembly.part(name).prepare_commit(version, 5.0)
+        for name in shares:
+            assembly.part(name).commit(version)
+    assert inner.version == 1
+    assert checksum(inner.live) == checksum(w.make_state(1))
+    with pytest.raises(SyncAbortedError):
+        assembly.part("a").begin(2)  # the failed version stays failed
+    for name in shares:  # the next version goes through
+        part = assembly.part(name)
+        part.begin(3)
+        _feed(part, w.make_state(3), shares[name])
+    assembly.prepare_commit(3, 5.0)
+    assembly.commit(3)
+    assert checksum(inner.live) == checksum(w.make_state(3))
+
+
+def test_a_part_takes_only_its_own_share_and_forwards_landing_zones() -> None:
+    layout = _layout()
+    shares = _halves(layout)
+    inner = RecordingConsumer(layout, bucket_targets=True)
+    assembly = Assembly(inner, shares)
+    part = assembly.part("a")
+    assert isinstance(part, BucketConsumer)
+    assert isinstance(part, BucketTarget)
+    assert isinstance(part, TensorTarget)
+    part.begin(1)
+    assert part.bucket_target(shares["a"][0]) is not None
+    assert part.bucket_target(shares["b"][0]) is None  # not its share
+    with pytest.raises(MetadataError, match="not in sender 'a'"):
+        _feed(part, w.make_state(1), [shares["b"][0]])
+    with pytest.raises(VersionError):
+        part.prepare_commit(7, 1.0)
+    with pytest.raises(ValueError, match="no share"):
+        assembly.part("c")
+
+
+def test_recording_consumer_records_and_fails_on_request() -> None:
+    layout = _layout()
+    consumer = RecordingConsumer(layout)
+    state = w.make_state(1)
+    consumer.begin(1)
+    _feed(consumer, state, [b.index for b in layout.buckets])
+    consumer.prepare_commit(1)
+    consumer.commit(1)
+    assert consumer.methods()[0] == "begin"
+    assert consumer.methods()[-2:] == ["prepare_commit", "commit"]
+    assert checksum(consumer.weights) == checksum(state)
+    consumer.fail_on = 0
+    consumer.begin(2)
+    with pytest.raises(RuntimeError, match="injected"):
+        _feed(consumer, w.make_state(2), [0])
+    consumer.abort(RuntimeError("transport"))
+    assert consumer.aborts == ["RuntimeError: transport"]
+    assert consumer.version == 1
+    with pytest.raises(VersionError):
+        consumer.begin(1)
