@@ -32,6 +32,7 @@ def test_a_lifted_deadline_never_expires() -> None:
     assert deadline.remaining() is None
     deadline.check("anything")  # does not raise
     assert deadline.child(5.0).remaining() == pytest.approx(5.0, abs=0.5)
+    assert deadline.leaving(1.0).remaining() is None
 
 
 def test_guard_arms_a_watchdog_that_stand_down_lifts() -> None:
