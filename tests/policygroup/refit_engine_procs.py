@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import time
-import traceback
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from refit_procs import collect, report
 from testkit import free_port
 
 from rlfleet.policygroup import BasePolicy, PolicyConfig, RolloutEngines, WeightBufferConfig
@@ -68,7 +66,6 @@ def trainer(index: int, port: int) -> dict[str, Any]:
     out["v3"] = _outcome(lambda: policy.refit_rollout_engines(refit_timeout_s=DEADLINE_S))
     out["version_after_loss"] = policy.get_weight_version()
     out["state"] = json.loads(json.dumps(policy._refit_transport_state("rollout_engines")))
-    out["collective"] = json.loads(json.dumps(policy._refit_transport_state("collective")))
     out["v4"] = _outcome(lambda: policy.refit_rollout_engines(refit_timeout_s=DEADLINE_S))
     # the lost engine is back (a new process): the same topology is connected anew
     policy.connect_sglang_rollout_engines(engine_gpu_counts=COUNTS, engine_gpu_offsets=OFFSETS)
@@ -118,17 +115,9 @@ def engine(engine_index: int, local_rank: int, port: int, recovered: bool = Fals
 
 def worker(kind: str, ident: tuple[int, int], port: int, queue: Any) -> None:
     torch.set_num_threads(1)
-    try:
-        if kind == "trainer":
-            out = trainer(ident[0], port)
-        else:
-            out = engine(ident[0], ident[1], port, recovered=kind == "recovered")
-        queue.put((kind, ident, "ok", out))
-    except BaseException as exc:
-        queue.put((kind, ident, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
+    if kind == "trainer":
+        report(queue, (kind, ident), lambda: trainer(ident[0], port))
+    report(queue, (kind, ident), lambda: engine(ident[0], ident[1], port, recovered=kind == "recovered"))
 
 
 def run(timeout: float = 240.0) -> dict[tuple[str, tuple[int, int]], dict[str, Any]]:
@@ -137,28 +126,10 @@ def run(timeout: float = 240.0) -> dict[tuple[str, tuple[int, int]], dict[str, A
     port = free_port()
     jobs = [("trainer", (i, 0)) for i in range(TRAINERS)] + [("engine", e) for e in ENGINES]
     procs = [ctx.Process(target=worker, args=(k, i, port, queue), daemon=True) for k, i in jobs]
-    for p in procs:
-        p.start()
-    results: dict[tuple[str, tuple[int, int]], dict[str, Any]] = {}
-    end = time.monotonic() + timeout
-    try:
-        while len(results) < len(jobs) + 1 and time.monotonic() < end:
-            try:
-                kind, ident, status, value = queue.get(timeout=0.5)
-            except Exception:
-                continue
-            if status != "ok":
-                raise AssertionError(f"{kind} {ident} failed:\n{value}")
-            results[(kind, tuple(ident))] = value
-            if (kind, tuple(ident)) == ("engine", DYING):  # it is gone: start its replacement
-                procs.append(ctx.Process(target=worker, args=("recovered", DYING, port, queue), daemon=True))
-                procs[-1].start()
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.1, end - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    if len(results) < len(jobs) + 1:
-        raise AssertionError(f"only {sorted(results)} returned within {timeout}s")
-    return results
+
+    def replace_the_lost_engine(key: Any) -> None:
+        if key == ("engine", DYING):  # it is gone: start its replacement
+            procs.append(ctx.Process(target=worker, args=("recovered", DYING, port, queue), daemon=True))
+            procs[-1].start()
+
+    return collect(procs, queue, len(jobs) + 1, timeout, replace_the_lost_engine)

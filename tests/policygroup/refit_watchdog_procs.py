@@ -8,14 +8,13 @@ while the generation worker runs the refit of version 2 with ``refit_timeout_s=5
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import traceback
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from refit_procs import collect, report
 from testkit import free_port
 
 from rlfleet.policygroup import BasePolicy, PolicyConfig
@@ -77,34 +76,29 @@ def _generation(policy: BasePolicy, stand_down: bool, events: dict[str, Any], ou
         time.sleep(max(0.0, t0 + REFIT_TIMEOUT_S + 1.5 - time.monotonic()))  # let the sampler finish
 
 
-def worker(role: str, stand_down: bool, port: int, events: dict[str, Any], queue: Any) -> None:
+def _body(role: str, stand_down: bool, port: int, events: dict[str, Any], queue: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    try:
-        policy = Tiny(PolicyConfig(group_timeout_s=60.0), role=role, index=0, device="cpu")
-        train = role == "train"
-        stage, member = (0, 0) if train else (-1, 1)
-        policy.init_nccl_reshard_comm_group(["127.0.0.1"], [port], 1, stage, 2, member)
-        policy.prepare_nccl_reshard_refit_info(TRAIN, GEN, 1, 1)
-        if train:
-            version_weights(policy, 1)
-            policy.nccl_reshard_refit()
-            out["v1_version"] = policy.get_weight_version()
-            if not events["refit_started"].wait(120):
-                raise TimeoutError("the generation worker never started its refit")
-            time.sleep(PEER_EXITS_AT_S)  # stalled: alive and silent
-            events["peer_exiting"].set()
-            queue.put((role, stand_down, "ok", out))
-            queue.close()
-            queue.join_thread()
-            os._exit(0)  # its sockets close: the generation worker's wait ends by peer loss
+    policy = Tiny(PolicyConfig(group_timeout_s=60.0), role=role, index=0, device="cpu")
+    train = role == "train"
+    stage, member = (0, 0) if train else (-1, 1)
+    policy.init_nccl_reshard_comm_group(["127.0.0.1"], [port], 1, stage, 2, member)
+    policy.prepare_nccl_reshard_refit_info(TRAIN, GEN, 1, 1)
+    if not train:
         _generation(policy, stand_down, events, out)
-        queue.put((role, stand_down, "ok", out))
-    except BaseException as exc:
-        queue.put((role, stand_down, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
+        return out
+    version_weights(policy, 1)
+    policy.nccl_reshard_refit()
+    out["v1_version"] = policy.get_weight_version()
+    if not events["refit_started"].wait(120):
+        raise TimeoutError("the generation worker never started its refit")
+    time.sleep(PEER_EXITS_AT_S)  # stalled: alive and silent
+    events["peer_exiting"].set()
+    return out  # then the process exits: its sockets close, which ends the generation worker's wait
+
+
+def worker(role: str, stand_down: bool, port: int, events: dict[str, Any], queue: Any) -> None:
+    report(queue, (role, stand_down), lambda: _body(role, stand_down, port, events, queue))
 
 
 def run(timeout: float = 200.0) -> dict[tuple[str, bool], dict[str, Any]]:
@@ -119,25 +113,4 @@ def run(timeout: float = 200.0) -> dict[tuple[str, bool], dict[str, Any]]:
         for role in ("train", "eval"):
             args = (role, stand_down, port, events, queue)
             procs.append(ctx.Process(target=worker, args=args, daemon=True))
-    for p in procs:
-        p.start()
-    results: dict[tuple[str, bool], dict[str, Any]] = {}
-    end = time.monotonic() + timeout
-    try:
-        while len(results) < len(procs) and time.monotonic() < end:
-            try:
-                role, stand_down, status, value = queue.get(timeout=0.5)
-            except Exception:
-                continue
-            if status != "ok":
-                raise AssertionError(f"{role} (stand_down={stand_down}) failed:\n{value}")
-            results[(role, stand_down)] = value
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.1, end - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    if len(results) < len(procs):
-        raise AssertionError(f"only {sorted(results)} returned within {timeout}s")
-    return results
+    return collect(procs, queue, len(procs), timeout)

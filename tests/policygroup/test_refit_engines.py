@@ -58,7 +58,7 @@ def test_transport_state_is_plain_json(results: Results) -> None:
     assert state["version"] == 2
     assert state["bucket_bytes"] == procs.BUCKET
     assert state["broken"] is None
-    collective = results[("trainer", (0, 0))]["collective"]
+    collective = results[("trainer", (0, 0))]["state"]["collective"]
     assert collective == {
         "address": collective["address"],
         "world_size": procs.WORLD,

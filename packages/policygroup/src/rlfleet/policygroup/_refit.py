@@ -2,8 +2,8 @@
 
 - `_refit_transport_state(key)`: the state each refit transport keeps between calls, one
   mutable dict per key, made on first use (the seed's worker has no constructor hook). Our
-  transports keep it JSON-safe: "collective" (the model-update group of `init_collective`),
-  "rollout_engines" (`connect_sglang_rollout_engines`), "nccl_reshard" and "zmq".
+  transports keep it JSON-safe: "rollout_engines" (`connect_sglang_rollout_engines`, with the
+  model-update group of `init_collective` it builds on), "nccl_reshard" and "zmq".
 - `connect_sglang_rollout_engines` / `refit_rollout_engines`: rollout engines, by GPU counts
   and offsets, receive each version from the trainers over one group (`_engines`).
 - `maybe_init_zmq` / `get_zmq_address`: the refit control channel (`_zmq_channel`).
@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._engines import EngineRefit, RolloutEngines
 from rlfleet.policygroup._errors import CommGroupError
-from rlfleet.policygroup._worker_comm import CommGroupCalls
+from rlfleet.policygroup._worker_comm import WorkerComm
 from rlfleet.policygroup._zmq_channel import RefitChannel, import_zmq
 from rlfleet.weightsync import WorkerWeights, stand_down_armed_watchdogs
 
@@ -44,11 +45,14 @@ def _part(worker: Any, name: str, make: Any) -> Any:
     return part
 
 
-class RefitCalls(CommGroupCalls):
-    """The refit calls of NeMo RL's policy worker (on top of the group calls), for `BasePolicy`."""
+class RefitCalls:
+    """The refit calls of NeMo RL's policy worker, for `BasePolicy` to inherit."""
 
-    # Provided by the host class (BasePolicy), with CommGroupCalls' attributes.
+    # Provided by the host class (BasePolicy).
+    config: PolicyConfig
+    device: torch.device
     model: torch.nn.Module
+    _comm: WorkerComm
     _weights: WorkerWeights
     report_device_id: Callable[[], str]
 
@@ -60,34 +64,6 @@ class RefitCalls(CommGroupCalls):
         """
         return transport_state(self, key)
 
-    def init_collective(
-        self,
-        ip: str,
-        port: int,
-        world_size: int,
-        *,
-        train_world_size: int,
-        nccl_peer: str = "nemo",
-        rank: int | None = None,
-        timeout_s: float | None = None,
-    ) -> None:
-        """NeMo RL: join the model-update group of trainers and rollout workers at ip:port (gloo on CPU).
-
-        Trainers take ranks [0, train_world_size); rollout workers follow them.
-        """
-        super().init_collective(
-            ip, port, world_size, train_world_size=train_world_size, nccl_peer=nccl_peer, rank=rank,
-            timeout_s=timeout_s,
-        )  # fmt: skip
-        group = self.model_update_group
-        transport_state(self, "collective").update(
-            address=f"{ip}:{int(port)}",
-            world_size=int(world_size),
-            train_world_size=int(train_world_size),
-            rank=int(group.rank()),
-            backend=str(group.name()),
-        )
-
     def connect_sglang_rollout_engines(
         self, *, engine_gpu_counts: list[int], engine_gpu_offsets: list[int] | None = None
     ) -> None:
@@ -98,7 +74,7 @@ class RefitCalls(CommGroupCalls):
         same topology is a no-op unless a refit broke the group. Any engine that speaks
         weightsync's broadcast wire can join (see `RolloutEngines`).
         """
-        collective = transport_state(self, "collective")
+        collective = dict(self._comm.collective)
         store = getattr(self._comm, "_collective_store", None)
         if not collective or store is None:
             raise CommGroupError(
@@ -111,6 +87,7 @@ class RefitCalls(CommGroupCalls):
         refit = _part(self, "_engine_refit", lambda: EngineRefit(transport_state(self, "rollout_engines")))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         refit.connect(engines, store, collective["rank"], backend, self.config.group_timeout_s)
+        refit.state["collective"] = collective
 
     def refit_rollout_engines(
         self, *, version: int | None = None, refit_timeout_s: float | None = None

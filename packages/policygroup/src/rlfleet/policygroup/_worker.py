@@ -27,7 +27,7 @@ from rlfleet.policygroup._errors import WorkerDiedError
 from rlfleet.policygroup._offload import Offload
 from rlfleet.policygroup._refit import RefitCalls
 from rlfleet.policygroup._reshard import ReshardWorkerMixin
-from rlfleet.policygroup._worker_comm import WorkerComm
+from rlfleet.policygroup._worker_comm import CommGroupCalls, WorkerComm
 from rlfleet.weightsync import (
     Deadline,
     Layout,
@@ -49,7 +49,7 @@ class PolicyRole(str, enum.Enum):
 ROLE_NAMES = {PolicyRole.TRAIN: "trainer", PolicyRole.EVAL: "rollout worker"}  # in messages
 
 
-class BasePolicy(RefitCalls, ReshardWorkerMixin):
+class BasePolicy(CommGroupCalls, ReshardWorkerMixin, RefitCalls):
     """A trainer or rollout worker; subclass it with a model, a rollout step and a train step.
 
     Works as a plain object (single process) and as a Ray actor (`ray.remote(cls)`); the policy

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from rlfleet.weightsync._deadline import Deadline, Watchdog
-from rlfleet.weightsync._dist import BroadcastReceiver, BroadcastSender, map_dist_error
+from rlfleet.weightsync._dist import BroadcastReceiver, BroadcastSender, _GroupMember, map_dist_error
 from rlfleet.weightsync._errors import SyncTimeoutError
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._member import MemberGroup
@@ -328,30 +328,17 @@ class _WatchedWork:
         self._watch.wait(self._work, deadline, what, p2p=self._p2p, group=self._group)
 
 
-class _WatchedMember:
+class _WatchedMember(_GroupMember):
     """A member of a torch group whose waits a `SyncWatch` guards (timeout of the group lifted)."""
 
     def __init__(self, group: Any, watch: SyncWatch, device: str | torch.device | None) -> None:
         backend = group.process_group if isinstance(group, MemberGroup) else group
+        dev = torch.device(device) if device is not None else _device_of(backend)
+        super().__init__(dev, int(backend.rank()), int(backend.size()))
         self.group: Any = backend
         self.watch = watch
-        self._device = torch.device(device) if device is not None else _device_of(backend)
-        self._rank = int(backend.rank())
-        self._size = int(backend.size())
         lift_group_timeout(backend)
         watch.watch_group(backend)
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     def _post(self, post: Any, what: str, p2p: bool) -> _WatchedWork:
         try:
