@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     import multiprocessing as mp
 
     args = _claims.arguments(__doc__.split("\n\n")[0] if __doc__ else "").parse_args(argv)
-    repeats = 3 if args.quick else 5
+    repeats = 3 if args.quick else 9
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:
