@@ -33,7 +33,10 @@ from rlfleet.weightsync._protocol import BucketConsumer
 def _landing(inner: BucketConsumer, hook: str, key: object) -> torch.Tensor | None:
     """Where `inner` wants the transport to land `key` (its landing hook), if it has one."""
     target = getattr(inner, hook, None)
-    return None if target is None else target(key)  # type: ignore[no-any-return]
+    if target is None:
+        return None
+    landed: torch.Tensor | None = target(key)
+    return landed
 
 
 class TimedConsumer:
