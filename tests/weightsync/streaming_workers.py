@@ -64,14 +64,14 @@ def broken_streams(version: int) -> dict[str, list[tuple[str, Any]]]:
     wrong_dtype[at] = (names[at], good[at][1].to(torch.float64))
     return {
         "order": swapped,
-        "missing": good[:at] + good[at + 1 :],
+        "missing": [*good[:at], *good[at + 1 :]],
         "missing_last": good[:-1],
         "extra_end": [*good, ("not.in.layout", torch.zeros(3))],
-        "unexpected": good[:at] + [("not.in.layout", torch.zeros(3))] + good[at:],
+        "unexpected": [*good[:at], ("not.in.layout", torch.zeros(3)), *good[at:]],
         "twice": [*good, good[0]],
         "shape": wrong_shape,
         "dtype": wrong_dtype,
-        "not_a_tensor": good[:at] + [(names[at], [1.0, 2.0])] + good[at + 1 :],
+        "not_a_tensor": [*good[:at], (names[at], [1.0, 2.0]), *good[at + 1 :]],
     }
 
 
@@ -153,14 +153,18 @@ def ring_reader(name: str, index: int, bucket: int, steps: int, queue: Any) -> N
 
 
 # -- an FSDP2 trainer ---------------------------------------------------------------------------
-def _renamed(pairs: Iterator[tuple[str, torch.Tensor]], old: str, new: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _renamed(
+    pairs: Iterator[tuple[str, torch.Tensor]], old: str, new: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in pairs:
         yield (new if name == old else name), tensor
 
 
-def _trainer(
-    store: Any, rank: int, layout: Layout, versions: int, broken_at: int
-) -> dict[str, Any]:
+def _send(sender: Any, stream: Iterator[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+    return w.outcome(lambda: sender.send(stream, version, DEADLINE))
+
+
+def _trainer(store: Any, rank: int, layout: Layout, versions: int, broken_at: int) -> dict[str, Any]:
     """Ranks 0 and 1: FSDP2 on gloo; rank 0 streams each version over a broadcast and a ring."""
     f.trainer_group(store, rank)
     model = f.build()
@@ -182,11 +186,8 @@ def _trainer(
                 for _ in stream:  # every rank takes part in every gather
                     pass
                 continue
-            if transport == "broadcast":
-                result = w.outcome(lambda: sender.send(stream, version, DEADLINE).version)
-            else:
-                result = w.outcome(lambda: ring.send(stream, version, DEADLINE))
-            out[f"{transport}/v{version}"] = result
+            target: Any = sender if transport == "broadcast" else ring
+            out[f"{transport}/v{version}"] = _send(target, stream, version)
         dist.barrier()  # both ranks are in step after a broken version too
     m.finish(store, rank, range(4))
     if ring is not None:

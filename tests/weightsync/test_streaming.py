@@ -89,7 +89,8 @@ def test_streamed_broadcast_is_bit_exact(broadcast_run: dict[int, Any]) -> None:
             assert got["applied"] == version
             assert got["checksum"] == checksum(w.make_state(version))
     assert sender["broken"] is None
-    assert broadcast_run[1]["broken"] is None and broadcast_run[2]["broken"] is None
+    assert broadcast_run[1]["broken"] is None
+    assert broadcast_run[2]["broken"] is None
 
 
 @pytest.mark.timeout(260)
@@ -116,7 +117,8 @@ def test_a_broken_stream_aborts_the_version_and_names_the_parameter(
 @pytest.mark.timeout(260)
 def test_a_stream_sent_twice_is_refused_before_the_wire(broadcast_run: dict[int, Any]) -> None:
     got = broadcast_run[0]["reused"]
-    assert got["type"] == "ValueError" and "read once" in got["message"]
+    assert got["type"] == "ValueError"
+    assert "read once" in got["message"]
 
 
 # -- ShmRing to reader processes ---------------------------------------------------------------------
@@ -140,10 +142,13 @@ def test_streamed_ring_is_bit_exact_and_a_broken_stream_keeps_the_previous_versi
             assert counted.taken == len(pairs), step  # drained after a failure
             _, ok, kind, applied, total = queue.get(timeout=shm.TIMEOUT)
             if step.startswith("v"):
-                assert ok and applied == version and total == checksum(w.make_state(version)), step
+                assert ok, step
+                assert applied == version, step
+                assert total == checksum(w.make_state(version)), step
             else:
-                assert not ok and kind == "SyncAbortedError", (step, kind)
-                assert applied == 1 and total == checksum(w.make_state(1)), step
+                assert kind == "SyncAbortedError", (step, kind)
+                assert applied == 1, step
+                assert total == checksum(w.make_state(1)), step
     assert outcomes["v1"] == outcomes["v2"] == {0: "committed"}
     assert outcomes["order"] == s.BROKEN["order"][1]
     assert outcomes["missing_last"] == s.BROKEN["missing_last"][1]
@@ -181,7 +186,8 @@ def test_shared_buffer_lands_streamed_buckets_in_its_slot() -> None:
     with SharedBuffer(layout, 1) as node:
         node.begin(1)
         region = node.bucket_target(0)
-        assert region is not None and region.numel() == layout.buckets[0].nbytes
+        assert region is not None
+        assert region.numel() == layout.buckets[0].nbytes
         node.abort(RuntimeError("test"))
         assert node.bucket_target(0) is None  # no slot is written outside a version
 
@@ -192,7 +198,8 @@ def test_fsdp2_trainer_streams_over_broadcast_and_ring_bit_exact() -> None:
     versions, broken_at = 4, 3
     results = w.run_ranks(s.scenario_fsdp2_stream, 4, versions, broken_at, timeout=280.0)
     trainer = results[0]
-    assert trainer["sharded"] and results[1]["sharded"]
+    assert trainer["sharded"]
+    assert results[1]["sharded"]
     for version in range(1, versions + 1):
         for transport in ("broadcast", "ring"):
             got = trainer[f"{transport}/v{version}"]
@@ -201,11 +208,14 @@ def test_fsdp2_trainer_streams_over_broadcast_and_ring_bit_exact() -> None:
                 assert got["parameter"] == "model.layers.1.mlp.up", got
             else:
                 assert got["ok"], (transport, version, got)
+                if transport == "ring":
+                    assert got["value"] == {0: "committed"}
         for rank in (2, 3):  # 2: across the broadcast, 3: the ring's reader on the node
             seen = results[rank][f"v{version}"]
             if version == broken_at:
                 assert seen["type"] == "SyncAbortedError", (rank, seen)
                 assert seen["applied"] == broken_at - 1
             else:
-                assert seen["ok"] and seen["applied"] == version, (rank, seen)
+                assert seen["ok"], (rank, seen)
+                assert seen["applied"] == version
             assert seen["bit_exact"], (rank, version)

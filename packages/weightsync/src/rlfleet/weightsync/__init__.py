@@ -125,8 +125,8 @@ from rlfleet.weightsync._shm import (
     process_alive,
 )
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
-from rlfleet.weightsync._stream import WeightStream
 from rlfleet.weightsync._strategy import WEIGHT_BUFFER_STRATEGIES, WeightBufferStrategy, check_strategy
+from rlfleet.weightsync._stream import WeightStream
 from rlfleet.weightsync._transforms import (
     LLAMA_STACKED_PARAMS,
     Cast,

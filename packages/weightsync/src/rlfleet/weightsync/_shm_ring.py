@@ -211,7 +211,9 @@ class ShmRingSender:
                 self.layout.check_state_dict(source)
             return self._send(source, version, deadline, wait_for_readers)
 
-    def _send(self, source: Source, version: int, deadline: Deadline, wait_for_readers: bool) -> dict[int, str]:
+    def _send(
+        self, source: Source, version: int, deadline: Deadline, wait_for_readers: bool
+    ) -> dict[int, str]:
         members = self._wait_attached(deadline)
         ring = self._ring
         session = self._session + 1

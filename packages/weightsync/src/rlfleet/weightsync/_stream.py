@@ -38,7 +38,15 @@ from rlfleet.weightsync._feed import full_tensors
 from rlfleet.weightsync._layout import Layout, TensorSpec
 from rlfleet.weightsync._packing import typed_view
 
-__all__ = ["Source", "StreamCursor", "WeightStream", "Weights", "drain_on_error", "fill_bucket", "open_source"]
+__all__ = [
+    "Source",
+    "StreamCursor",
+    "WeightStream",
+    "Weights",
+    "drain_on_error",
+    "fill_bucket",
+    "open_source",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -82,7 +90,9 @@ class WeightStream:
     def claim(self) -> None:
         """Mark the stream as read by one sync; a second sync of the same stream is refused."""
         if self._claimed:
-            raise ValueError("this weight stream was already sent: a stream is read once, make one per version")
+            raise ValueError(
+                "this weight stream was already sent: a stream is read once, make one per version"
+            )
         self._claimed = True
 
     def pull(self) -> tuple[str, torch.Tensor] | None:
@@ -97,14 +107,16 @@ class WeightStream:
         self._pulled += 1
         if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str):
             raise LayoutMismatchError(
-                f"weight stream item {self._pulled} is {type(item).__name__} {item!r:.80}, not a (name, tensor) pair"
+                f"weight stream item {self._pulled} is {type(item).__name__} {item!r:.80}, "
+                "not a (name, tensor) pair"
             )
         name, tensor = item
         if not isinstance(tensor, torch.Tensor):
             raise LayoutMismatchError(f"parameter {name!r} is a {type(tensor).__name__}, not a tensor", name)
         if _is_dtensor(tensor):
             raise LayoutMismatchError(
-                f"parameter {name!r} is a DTensor (a shard): gather it first (full_tensors(module) does)", name
+                f"parameter {name!r} is a DTensor (a shard): gather it first (full_tensors(module) does)",
+                name,
             )
         return name, tensor
 
@@ -167,7 +179,8 @@ class StreamCursor:
         if pair is None:
             left = len(self._order) - self._next
             raise LayoutMismatchError(
-                f"the weight stream ended without parameter {spec.name!r} ({left} tensor(s) of the layout never came)",
+                f"the weight stream ended without parameter {spec.name!r} "
+                f"({left} tensor(s) of the layout never came)",
                 spec.name,
             )
         name, tensor = pair
@@ -185,7 +198,9 @@ class StreamCursor:
     def _misplaced(self, name: str, spec: TensorSpec) -> LayoutMismatchError:
         where = self._position.get(name)
         if where is None:
-            scope = "this sender's share of the layout" if self._share and name in self.layout else "the layout"
+            scope = (
+                "this sender's share of the layout" if self._share and name in self.layout else "the layout"
+            )
             return LayoutMismatchError(
                 f"the weight stream yielded {name!r}, which is not in {scope} (expected {spec.name!r})", name
             )
@@ -208,7 +223,9 @@ class StreamCursor:
             why = "twice" if name in self._position else "but it is not in the layout"
             if name in self.layout and name not in self._position:
                 why = "but it is not in this sender's share of the layout"
-            raise LayoutMismatchError(f"the weight stream yielded {name!r} after the last tensor, {why}", name)
+            raise LayoutMismatchError(
+                f"the weight stream yielded {name!r} after the last tensor, {why}", name
+            )
 
     def ordered(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every pair of the buckets sent, checked and in layout order, then `finish`."""
