@@ -31,11 +31,13 @@ from typing import Any
 import torch
 
 from rlfleet.weightsync._copy import copy_pairs
+from rlfleet.weightsync._core import raw_bytes
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._dtypes import dtype_name
 from rlfleet.weightsync._errors import LayoutMismatchError
 from rlfleet.weightsync._feed import full_tensors
-from rlfleet.weightsync._layout import Layout, TensorSpec
+from rlfleet.weightsync._frames import Segment
+from rlfleet.weightsync._layout import ALIGNMENT, Layout, TensorSpec, align
 from rlfleet.weightsync._packing import typed_view
 
 __all__ = [
@@ -270,3 +272,75 @@ def fill_bucket(
             target = views[spec.name] if views is not None else typed_view(region, spec)
             copy_pairs([target], [tensor.detach()])
         del tensor
+
+
+class StreamedBuckets:
+    """A broadcast's buckets built from a stream, each holding only its own bytes.
+
+    A large tensor (a segment of its own) travels from its storage as it arrives, with no copy;
+    the runs of small tensors are copied into a buffer of their bytes only, allocated for the
+    bucket and freed once it is on the wire. Two buckets in flight thus hold at most two
+    buckets' bytes, and the tensor being produced is the only other memory.
+    """
+
+    def __init__(self, layout: Layout, segments: Sequence[Sequence[Segment]], device: torch.device) -> None:
+        self.layout = layout
+        self.segments = segments
+        self.device = device
+        self._plans: dict[int, tuple[list[int | None], int, dict[str, int]]] = {}
+
+    def _plan(self, k: int) -> tuple[list[int | None], int, dict[str, int]]:
+        """Where each run of bucket `k` lies in its buffer (None: a large tensor), the buffer's
+        size, and the segment of each tensor. A run keeps its offsets modulo 512, so every
+        tensor's typed view stays aligned as in the layout."""
+        plan = self._plans.get(k)
+        if plan is None:
+            positions: list[int | None] = []
+            cursor = 0
+            owner: dict[str, int] = {}
+            for g, seg in enumerate(self.segments[k]):
+                if seg.tensor is not None:
+                    positions.append(None)
+                    owner[seg.tensor] = g
+                    continue
+                where = align(cursor) + seg.start % ALIGNMENT
+                positions.append(where)
+                cursor = where + seg.nbytes
+                for spec in self.layout.buckets[k].tensors:
+                    if spec.nbytes and seg.start <= spec.offset < seg.end:
+                        owner[spec.name] = g
+            plan = self._plans[k] = (positions, cursor, owner)
+        return plan
+
+    def pull(self, cursor: StreamCursor, k: int) -> list[torch.Tensor]:
+        """Bucket `k`'s tensors from `cursor`; returns what to broadcast, segment by segment."""
+        positions, size, owner = self._plan(k)
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device) if size else None
+        sources: list[torch.Tensor | None] = [None] * len(positions)
+        for spec, tensor in cursor.bucket(k):
+            if not spec.nbytes:
+                continue
+            g = owner[spec.name]
+            where = positions[g]
+            if where is None:  # a large tensor: its own bytes go on the wire
+                sources[g] = _own_bytes(tensor, self.device)
+                continue
+            assert buffer is not None
+            start = where + spec.offset - self.segments[k][g].start
+            view = buffer[start : start + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
+            copy_pairs([view], [tensor.detach()])
+        for g, (where, seg) in enumerate(zip(positions, self.segments[k], strict=True)):
+            if where is not None:
+                assert buffer is not None
+                sources[g] = buffer[where : where + seg.nbytes]
+        return [src for src in sources if src is not None]
+
+
+def _own_bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor`'s bytes as a flat uint8 tensor on `device`: its own storage when it can be."""
+    own = raw_bytes(tensor, device)
+    if own is None:
+        resolved = tensor.detach().to(device).resolve_conj().resolve_neg().contiguous()
+        own = raw_bytes(resolved, device)
+    assert own is not None
+    return own

@@ -3,8 +3,9 @@
 The sender packs bucket ``k+1`` while bucket ``k`` is on the wire (two bucket buffers); tensors
 of at least ``direct_min`` bytes travel straight from their own storage, and a state dict that
 lies in one adopted block (`flat_block`) is sent as it lies. A `WeightStream` (`_stream`) is
-pulled bucket by bucket: each tensor is copied into the bucket buffer and dropped before the next
-one is produced, so the sender holds two buckets and the tensor in hand, never the model. A
+pulled bucket by bucket (`StreamedBuckets`): a large tensor goes on the wire from its own storage,
+small ones are copied into a buffer of the bucket's packed bytes, and a bucket is dropped once it
+is on the wire, so the sender holds two buckets and the tensor in hand, never the model. A
 failure while packing (a stream that breaks the layout's order included) is sent in the next
 control word, so receivers stop after the same collective and the group stays usable.
 """
@@ -40,7 +41,14 @@ from rlfleet.weightsync._frames import (
 )
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import bucket_starts
-from rlfleet.weightsync._stream import Source, StreamCursor, Weights, drain_on_error, fill_bucket, open_source
+from rlfleet.weightsync._stream import (
+    Source,
+    StreamCursor,
+    StreamedBuckets,
+    Weights,
+    drain_on_error,
+    open_source,
+)
 from rlfleet.weightsync._wire_base import BroadcastSession, SyncStats, Wire, crc_of, rank_label
 
 __all__ = ["ProtocolSender"]
@@ -73,6 +81,7 @@ class ProtocolSender(BroadcastSession):
         self._view_cache: dict[tuple[int, int], tuple[int, dict[str, torch.Tensor]]] = {}
         self._layout_json: bytes | None = None
         self._starts = bucket_starts(layout)
+        self._streamed = StreamedBuckets(layout, self._segments, wire.device)
 
     def _views(self, slot: int, k: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of bucket `k`'s tensors inside bucket buffer `slot` (cached per buffer)."""
@@ -186,11 +195,15 @@ class ProtocolSender(BroadcastSession):
         if block is not None and block.device != wire.device:
             block = None  # else the model lies in one block: every run is sent as it lies
 
+        held: dict[int, list[torch.Tensor]] = {}  # a stream's buckets, alive until on the wire
+
         def drain(upto: int) -> None:
             """Wait for every op of buckets up to position `upto` (older buckets finish first)."""
             while in_flight and in_flight[0][2] <= upto:
                 op, what, _ = in_flight.popleft()
                 op.wait(deadline, what)
+            for done in [p for p in held if p <= upto]:
+                del held[done]
 
         with torch.no_grad():
             for position, k in enumerate(indices):
@@ -202,7 +215,8 @@ class ProtocolSender(BroadcastSession):
                         base = self._starts[k]
                         sources, packed = [block[base + g.start : base + g.end] for g in segments], False
                     elif isinstance(source, StreamCursor):
-                        sources, packed = self._pack_streamed(source, k, slot, slot_ops, deadline)
+                        sources, packed = self._streamed.pull(source, k), False
+                        held[position] = sources
                         if position == len(indices) - 1:
                             source.finish()  # nothing may follow the last tensor
                     else:
@@ -264,15 +278,6 @@ class ProtocolSender(BroadcastSession):
         for op in slot_ops[slot]:
             op.wait(deadline, f"bucket buffer {slot} reuse")
         slot_ops[slot] = []
-
-    def _pack_streamed(
-        self, cursor: StreamCursor, k: int, slot: int, slot_ops: list[list[Pending]], deadline: Deadline
-    ) -> tuple[list[torch.Tensor], bool]:
-        """Bucket `k` pulled from the stream into bucket buffer `slot`, every segment from there."""
-        self._free_buffer(slot, slot_ops, deadline)
-        buffer = self._buffer(slot, self.layout.buckets[k].nbytes)
-        fill_bucket(cursor, k, buffer, self._views(slot, k, buffer))
-        return [buffer[seg.start : seg.end] for seg in self._segments[k]], True
 
     def _abort_at(
         self, k: int, error: BaseException, in_flight: deque[tuple[Pending, str, int]], deadline: Deadline
