@@ -14,9 +14,23 @@ import torch
 import weightsync_dist_workers as w
 from ipc_workers import scenario_ipc_leak, scenario_ipc_settle, scenario_ipc_straggler
 
-from rlfleet.weightsync import ControlBlock, CudaIpcReceiver, CudaIpcSender, MetadataError, checksum
-from rlfleet.weightsync._cuda_ipc import _decode_meta
-from rlfleet.weightsync._ipc_control import NUM_SLOTS, READER_WORDS, SLOT_BASE, SLOT_WORDS, control_words
+from rlfleet.weightsync import (
+    CudaIpcReceiver,
+    CudaIpcSender,
+    MetadataError,
+    SharedBuffer,
+    ShmRingSender,
+    checksum,
+)
+from rlfleet.weightsync._cuda_ipc import IPC, ChannelBlock, _decode_meta
+from rlfleet.weightsync._ipc_control import (
+    G_META_OFFSET,
+    G_READERS,
+    NUM_SLOTS,
+    READER_WORDS,
+    SLOT_BASE,
+    SLOT_WORDS,
+)
 from rlfleet.weightsync._shm import cleanup_stale_segments
 
 
@@ -70,13 +84,48 @@ def test_attach_to_something_else_fails_clearly() -> None:
 
 
 def test_control_block_word_map_is_disjoint() -> None:
-    cb = ControlBlock(np.zeros(control_words(3), dtype=np.int64), 3)
+    words_in_block = IPC.words(NUM_SLOTS, 3)
+    cb = ChannelBlock(np.zeros(words_in_block, dtype=np.int64), IPC, NUM_SLOTS, 3)
     words = {cb.slot(j, f) for j in range(NUM_SLOTS) for f in range(SLOT_WORDS)} | {
         cb.reader(i, f) for i in range(3) for f in range(READER_WORDS)
     }
     assert len(words) == NUM_SLOTS * SLOT_WORDS + 3 * READER_WORDS
     assert min(words) >= SLOT_BASE
-    assert max(words) < control_words(3)
+    assert max(words) < words_in_block
+
+
+def test_channel_header_describes_its_block_and_bad_headers_are_refused() -> None:
+    """The sender writes a header a reader accepts (`ChannelBlock.of`); a reader count or a
+    metadata offset that does not fit the segment is a MetadataError, not a wild mapping."""
+    meta = b'{"backend":"host"}'
+    segment, block = ChannelBlock.create(meta, 3, 4096, checksums=False)
+    try:
+        seen, raw = ChannelBlock.of(segment)
+        assert (seen.num_readers, seen.num_slots, raw) == (3, NUM_SLOTS, meta)
+        assert seen.writer_alive()
+        for word, value in ((G_READERS, 0), (G_READERS, 10**6), (G_META_OFFSET, 8)):
+            good = block.get(word)
+            block.set(word, value)
+            with pytest.raises(MetadataError, match="inconsistent header"):
+                ChannelBlock.of(segment)
+            block.set(word, good)
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+@pytest.mark.parametrize("num_readers", [0, True, 2.0, 10**6])
+def test_every_channel_refuses_a_bad_reader_count_alike(num_readers: Any) -> None:
+    """IPC, ShmRing and SharedBuffer check a reader count the same way, before making anything."""
+    layout = w.layout_of(w.make_state(0))
+    makers = (
+        lambda: CudaIpcSender(layout, num_readers, backend="host"),
+        lambda: ShmRingSender(layout, num_readers),
+        lambda: SharedBuffer(layout, num_readers),
+    )
+    for make in makers:
+        with pytest.raises(ValueError, match=r"num_readers must be an int in \[1, \d+\]"):
+            make()
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import numpy as np
 from rlfleet.weightsync._errors import MetadataError
 from rlfleet.weightsync._shm import PAGE, SharedSegment, memory_fence, process_alive, process_identity
 
-__all__ = ["INT64_MAX", "BlockShape", "ControlBlock", "Every", "probe_header"]
+__all__ = ["INT64_MAX", "BlockShape", "ControlBlock", "Every", "probe_header", "require_int_in"]
 
 INT64_MAX = 2**63 - 1
 DIGEST_WORDS = 4  # a layout digest's 32 raw bytes
@@ -148,6 +148,13 @@ def probe_header(segment: SharedSegment, shape: BlockShape) -> np.ndarray:
     if header[shape.magic_word] != shape.magic or header[shape.format_word] != shape.format:
         raise MetadataError(f"{segment.name!r} is not an rlfleet {shape.kind} of format {shape.format}")
     return header
+
+
+def require_int_in(what: str, value: object, low: int, high: int) -> None:
+    """ValueError unless `value` is an int (not a bool) in [low, high]: a channel's reader or slot
+    count, checked before any word is sized by it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{what} must be an int in [{low}, {high}], got {value!r}")
 
 
 class Every:

@@ -8,12 +8,13 @@ that slot's previous bucket), synchronizes its stream and publishes the slot's s
 a reader hands the slot to its `BucketConsumer`, synchronizes, and acknowledges. Packing bucket
 k+1 overlaps the readers consuming bucket k.
 
-The control plane is a small shared-memory block (`_ipc_control`): handles (base64 in JSON) and
-the sender's layout, per-slot sequence numbers and sessions, per-reader liveness and acks, and
-a two-phase commit: each reader reports *prepared* or *failed*, and the sender then writes
-*commit* only if every reader prepared, else *abort*, so a version lands on all readers or on
-none. Waits poll under a `Deadline` and check the peer's liveness (pid + start time): a dead
-peer is a `PeerLostError`, a stuck one a `SyncTimeoutError`.
+The control plane is a small shared-memory segment (`_ipc_control`): a control block of shape
+`IPC`, described like ShmRing's and SharedBuffer's (`_control_block`), then the handles (base64
+in JSON) and the sender's layout. Its words hold per-slot sequence numbers and sessions,
+per-reader liveness and acks, and a two-phase commit: each reader reports *prepared* or
+*failed*, and the sender then writes *commit* only if every reader prepared, else *abort*, so
+a version lands on all readers or on none. Waits poll under a `Deadline` and check the peer's
+liveness (pid + start time): a dead peer is a `PeerLostError`, a stuck one a `SyncTimeoutError`.
 
 Sessions. Each `send` is a session, numbered in the control block (its generation). A reader
 marks the session whose slots it may still read; a new session rewrites no slot until every
@@ -41,9 +42,20 @@ a GPU (the tests), and is not a CPU transport of its own (that is `ShmRingSender
 
 from __future__ import annotations
 
-from rlfleet.weightsync._ipc_control import ControlBlock
+from rlfleet.weightsync._control_block import ControlBlock
+from rlfleet.weightsync._ipc_control import IPC, ChannelBlock
 from rlfleet.weightsync._ipc_control import decode_meta as _decode_meta
 from rlfleet.weightsync._ipc_receiver import CudaIpcReceiver
 from rlfleet.weightsync._ipc_sender import DETACH_WAIT_S, CudaIpcSender
 
-__all__ = ["DETACH_WAIT_S", "ControlBlock", "CudaIpcReceiver", "CudaIpcSender", "_decode_meta"]
+# ControlBlock: the control-block accessors every shared-memory channel shares (kept exported here
+# for the package's public name); ChannelBlock: an IPC channel's, a ControlBlock of shape IPC.
+__all__ = [
+    "DETACH_WAIT_S",
+    "IPC",
+    "ChannelBlock",
+    "ControlBlock",
+    "CudaIpcReceiver",
+    "CudaIpcSender",
+    "_decode_meta",
+]

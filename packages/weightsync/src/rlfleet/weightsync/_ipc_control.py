@@ -1,33 +1,33 @@
-"""The control plane of a CUDA IPC channel: the shared words, what each means, the metadata.
+"""The control plane of a CUDA IPC channel: its control block, what each word means, the metadata.
 
-One small shared-memory block per channel holds int64 words (global, per slot, per reader)
-and, after them, the sender's JSON metadata (backend, slot handles, slot size, layout).
-Writers of a word publish data words first, then `memory_fence`, then the word a peer polls.
+One small shared-memory segment per channel:
+
+    control block (`IPC`) | the sender's JSON metadata (backend, slot handles, slot size, layout)
+
+The control block is a `ControlBlock` of shape `IPC` (`_control_block`): header words, a record
+per slot (NUM_SLOTS), a record per reader. Writers of a word publish data words first, then
+`memory_fence`, then the word a peer polls.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import numpy as np
-
+from rlfleet.weightsync._control_block import BlockShape, ControlBlock, probe_header
 from rlfleet.weightsync._errors import MetadataError
 from rlfleet.weightsync._json import decode_json
 from rlfleet.weightsync._layout import MAX_METADATA_BYTES, Layout
-from rlfleet.weightsync._shm import process_alive
+from rlfleet.weightsync._shm import SharedSegment, page_align
 
-__all__ = ["ControlBlock", "decode_meta"]
+__all__ = ["IPC", "ChannelBlock", "decode_meta"]
 
 MAGIC = 0x524C46_495043  # "RLF" "IPC"
 #: 2: G_READY, per-slot session words and per-reader R_READING (readers an aborted session left).
 FORMAT = 2
 NUM_SLOTS = 2
 MAX_READERS = 1024
-LIVENESS_PERIOD_S = 0.005
-INT64_MAX = (1 << 63) - 1
 
-# Global words.
+# Header words.
 G_MAGIC, G_FORMAT, G_WRITER_PID, G_WRITER_START = 0, 1, 2, 3
 G_READERS, G_SLOT_BYTES, G_META_LEN, G_META_OFFSET = 4, 5, 6, 7
 #: G_SESSION counts the sender's sessions (one per `send`), the generation every other word of
@@ -48,35 +48,54 @@ R_PID, R_START, R_ATTACHED, R_ACK, R_PREPARED, R_RESULT, R_DONE, R_EPOCH = range
 R_READING = 8
 RESULT_OK, RESULT_FAILED = 1, 2
 
+KIND = "IPC channel"
+IPC = BlockShape(KIND, MAGIC, FORMAT, SLOT_BASE, SLOT_WORDS, READER_WORDS, G_WRITER_PID, G_WRITER_START)
 
-def control_words(num_readers: int) -> int:
-    return SLOT_BASE + SLOT_WORDS * NUM_SLOTS + READER_WORDS * num_readers
 
+class ChannelBlock(ControlBlock):
+    """The control block of one IPC channel: who is attached, who still reads an old session."""
 
-class ControlBlock:
-    """The shared words of one IPC channel (int64 array in shared memory) and their meaning."""
+    @classmethod
+    def create(
+        cls, meta: bytes, num_readers: int, slot_bytes: int, checksums: bool
+    ) -> tuple[SharedSegment, ChannelBlock]:
+        """A new channel segment holding `meta`; header written, magic last (a reader checks it first)."""
+        meta_offset = IPC.control_bytes(NUM_SLOTS, num_readers)
+        segment = SharedSegment.create(page_align(meta_offset + len(meta)), prefix="rlfleet-ipc")
+        try:
+            buf = segment.buffer
+            buf[meta_offset : meta_offset + len(meta)] = meta
+            block = cls.over(buf, IPC, NUM_SLOTS, num_readers)
+            header = {
+                G_READERS: num_readers,
+                G_SLOT_BYTES: slot_bytes,
+                G_META_LEN: len(meta),
+                G_META_OFFSET: meta_offset,
+                G_CHECKSUMS: int(checksums),
+            }
+            block.fill(header)
+        except BaseException:
+            segment.close()
+            segment.unlink()
+            raise
+        return segment, block
 
-    def __init__(self, words: np.ndarray, num_readers: int) -> None:
-        self.h = words
-        self.num_readers = num_readers
-
-    def slot(self, j: int, field: int) -> int:
-        return SLOT_BASE + SLOT_WORDS * j + field
-
-    def reader(self, i: int, field: int) -> int:
-        return SLOT_BASE + SLOT_WORDS * NUM_SLOTS + READER_WORDS * i + field
-
-    def get(self, word: int) -> int:
-        return int(self.h[word])
-
-    def set(self, word: int, value: int) -> None:
-        self.h[word] = value
-
-    def reader_alive(self, i: int) -> bool:
-        return process_alive(self.get(self.reader(i, R_PID)), self.get(self.reader(i, R_START)))
-
-    def writer_alive(self) -> bool:
-        return process_alive(self.get(G_WRITER_PID), self.get(G_WRITER_START))
+    @classmethod
+    def of(cls, segment: SharedSegment) -> tuple[ChannelBlock, bytes]:
+        """The block at the head of `segment` (any IPC channel's) and the channel's raw metadata;
+        MetadataError when the segment is not a consistent IPC channel."""
+        first = probe_header(segment, IPC)
+        num_readers = int(first[G_READERS])
+        meta_offset, meta_len = int(first[G_META_OFFSET]), int(first[G_META_LEN])
+        if (
+            not 1 <= num_readers <= MAX_READERS
+            or meta_offset < IPC.control_bytes(NUM_SLOTS, num_readers)
+            or not 0 < meta_len <= MAX_METADATA_BYTES
+            or meta_offset + meta_len > segment.size
+        ):
+            raise MetadataError(f"IPC channel {segment.name!r} has an inconsistent header")
+        view = segment.map_region(0, segment.size)
+        return cls.over(view, IPC, NUM_SLOTS, num_readers), bytes(view[meta_offset : meta_offset + meta_len])
 
     def attached(self, i: int) -> bool:
         """Reader `i` has its slots open and its process lives."""
@@ -89,37 +108,6 @@ class ControlBlock:
             for i in range(self.num_readers)
             if 0 < self.get(self.reader(i, R_READING)) < session and self.attached(i)
         ]
-
-
-class Every:
-    """Rate limit for liveness probes (each reads /proc)."""
-
-    def __init__(self, period: float = LIVENESS_PERIOD_S) -> None:
-        self.period = period
-        self._next = 0.0
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now < self._next:
-            return False
-        self._next = now + self.period
-        return True
-
-
-def check_header(first: np.ndarray, name: str, size: int) -> tuple[int, int, int]:
-    """(readers, metadata offset, metadata length) from the global words, or MetadataError."""
-    if first[G_MAGIC] != MAGIC or first[G_FORMAT] != FORMAT:
-        raise MetadataError(f"{name!r} is not an rlfleet IPC channel of format {FORMAT}")
-    num_readers = int(first[G_READERS])
-    meta_offset, meta_len = int(first[G_META_OFFSET]), int(first[G_META_LEN])
-    if (
-        not 1 <= num_readers <= MAX_READERS
-        or meta_offset < control_words(num_readers) * 8
-        or not 0 < meta_len <= MAX_METADATA_BYTES
-        or meta_offset + meta_len > size
-    ):
-        raise MetadataError(f"IPC channel {name!r} has an inconsistent header")
-    return num_readers, meta_offset, meta_len
 
 
 def decode_meta(raw: bytes) -> dict[str, Any]:

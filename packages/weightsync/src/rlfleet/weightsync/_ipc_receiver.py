@@ -8,9 +8,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
+from rlfleet.weightsync import _ipc_control as ipc
+from rlfleet.weightsync._control_block import INT64_MAX, Every
 from rlfleet.weightsync._cupy import import_cupy
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import (
@@ -23,43 +24,7 @@ from rlfleet.weightsync._errors import (
     WeightSyncError,
 )
 from rlfleet.weightsync._integrity import bucket_checksum
-from rlfleet.weightsync._ipc_control import (
-    G_ABORT,
-    G_BASE,
-    G_CHECKSUMS,
-    G_CLOSED,
-    G_COMMIT,
-    G_NBUCKETS,
-    G_READY,
-    G_SESSION,
-    G_VERSION,
-    G_WRITER_PID,
-    G_WRITER_START,
-    INT64_MAX,
-    NUM_SLOTS,
-    R_ACK,
-    R_ATTACHED,
-    R_DONE,
-    R_EPOCH,
-    R_PID,
-    R_PREPARED,
-    R_READING,
-    R_RESULT,
-    R_START,
-    RESULT_FAILED,
-    RESULT_OK,
-    S_BUCKET,
-    S_CRC,
-    S_NBYTES,
-    S_SEQ,
-    S_SESSION,
-    SLOT_BASE,
-    ControlBlock,
-    Every,
-    check_header,
-    control_words,
-    decode_meta,
-)
+from rlfleet.weightsync._ipc_control import ChannelBlock, decode_meta
 from rlfleet.weightsync._ipc_slots import CudaOpened, HostOpened
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._protocol import BucketConsumer
@@ -85,7 +50,7 @@ class CudaIpcReceiver:
     def __init__(
         self,
         segment: SharedSegment,
-        cb: ControlBlock,
+        cb: ChannelBlock,
         index: int,
         slots: CudaOpened | HostOpened,
         sender_layout: Layout,
@@ -108,29 +73,27 @@ class CudaIpcReceiver:
     @classmethod
     def attach(cls, name: str, index: int, device: str | torch.device | None = None) -> CudaIpcReceiver:
         """Join channel `name` as reader `index`: open the slot handles once."""
-        segment = SharedSegment.attach(name)
+        segment = SharedSegment.attach(name, map_whole=False)
         try:
-            first = np.frombuffer(segment.buffer, dtype=np.int64, count=SLOT_BASE).copy()
-            num_readers, meta_offset, meta_len = check_header(first, name, segment.size)
+            cb, raw_meta = ChannelBlock.of(segment)
+            num_readers = cb.num_readers
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_readers:
                 raise ValueError(f"reader index {index!r} out of range: channel {name!r} has {num_readers}")
-            meta = decode_meta(bytes(segment.buffer[meta_offset : meta_offset + meta_len]))
-            words = np.frombuffer(segment.buffer, dtype=np.int64, count=control_words(num_readers))
-            cb = ControlBlock(words, num_readers)
-            holder = cb.get(cb.reader(index, R_PID))
+            meta = decode_meta(raw_meta)
+            holder = cb.get(cb.reader(index, ipc.R_PID))
             me, my_start = process_identity()
-            if cb.get(cb.reader(index, R_ATTACHED)) and holder != me and cb.reader_alive(index):
+            if cb.get(cb.reader(index, ipc.R_ATTACHED)) and holder != me and cb.reader_alive(index):
                 raise WeightSyncError(
                     f"IPC channel {name!r}: reader index {index} is held by live pid {holder}"
                 )
             slots = _open_slots(cb, meta, name, device, (me, my_start))
-            fresh = ((R_ATTACHED, 0), (R_PID, me), (R_START, my_start), (R_ACK, 0), (R_READING, 0))
-            for field, value in fresh:
+            fresh = {ipc.R_ATTACHED: 0, ipc.R_PID: me, ipc.R_START: my_start, ipc.R_ACK: 0, ipc.R_READING: 0}
+            for field, value in fresh.items():
                 cb.set(cb.reader(index, field), value)
-            cb.set(cb.reader(index, R_EPOCH), (cb.get(cb.reader(index, R_EPOCH)) + 1) & INT64_MAX)
-            last_session = cb.get(G_SESSION)
+            cb.set(cb.reader(index, ipc.R_EPOCH), (cb.get(cb.reader(index, ipc.R_EPOCH)) + 1) & INT64_MAX)
+            last_session = cb.get(ipc.G_SESSION)
             memory_fence()
-            cb.set(cb.reader(index, R_ATTACHED), 1)
+            cb.set(cb.reader(index, ipc.R_ATTACHED), 1)
             return cls(segment, cb, index, slots, meta["layout"], last_session)
         except BaseException:
             segment.close()
@@ -138,11 +101,11 @@ class CudaIpcReceiver:
 
     def _check_writer(self, what: str) -> None:
         cb = self._cb
-        if cb.get(G_CLOSED):
+        if cb.get(ipc.G_CLOSED):
             raise PeerLostError(f"IPC channel {self.name} was closed by its sender while {what}")
         if self._liveness.due() and not cb.writer_alive():
             self._unlink_orphans()
-            raise PeerLostError(f"IPC sender (pid {cb.get(G_WRITER_PID)}) died while {what}")
+            raise PeerLostError(f"IPC sender (pid {cb.get(ipc.G_WRITER_PID)}) died while {what}")
 
     def _unlink_orphans(self) -> None:
         """The sender died without unlinking its segments: remove their names (mappings stay valid)."""
@@ -159,7 +122,7 @@ class CudaIpcReceiver:
         cb = self._cb
         backoff = Backoff()
         while not done():
-            if session is not None and cb.get(G_ABORT) == session:
+            if session is not None and cb.get(ipc.G_ABORT) == session:
                 raise SyncAbortedError(
                     f"IPC channel {self.name}: the sender aborted while we waited for {what}"
                 )
@@ -174,15 +137,15 @@ class CudaIpcReceiver:
         looks at R_READING before it writes the next header or any slot: so either it waits for
         this reader, or this reader sees the session is over (and skips it, having read nothing).
         Past this check the session's header and slots stay as they are until R_READING clears."""
-        cb, word = self._cb, self._cb.reader(self.index, R_READING)
+        cb, word = self._cb, self._cb.reader(self.index, ipc.R_READING)
         while True:
-            self._wait(lambda: cb.get(G_READY) > self._last_session, None, deadline, "the next version")
+            self._wait(lambda: cb.get(ipc.G_READY) > self._last_session, None, deadline, "the next version")
             memory_fence()
-            session = cb.get(G_READY)
+            session = cb.get(ipc.G_READY)
             self._last_session = session
             cb.set(word, session)
             memory_fence()
-            if cb.get(G_SESSION) == session:
+            if cb.get(ipc.G_SESSION) == session:
                 return session
             cb.set(word, 0)  # over before this reader read anything: nothing to release
 
@@ -192,8 +155,10 @@ class CudaIpcReceiver:
         """Receive the next version into `consumer`; returns it once committed on every reader."""
         deadline = Deadline.coerce(deadline)
         cb, me = self._cb, self.index
+        if self._segment.closed:
+            raise WeightSyncError(f"IPC channel {self.name}: reader {me} was closed")
         session = self._enter(deadline)
-        version, base, nbuckets = cb.get(G_VERSION), cb.get(G_BASE), cb.get(G_NBUCKETS)
+        version, base, nbuckets = cb.get(ipc.G_VERSION), cb.get(ipc.G_BASE), cb.get(ipc.G_NBUCKETS)
         began = False
         try:
             problem = consumer.layout.diff(self.sender_layout)
@@ -212,18 +177,18 @@ class CudaIpcReceiver:
             if isinstance(exc, (WeightSyncError, VersionError)) or not isinstance(exc, Exception):
                 raise
             raise SyncAbortedError(f"reader {me} failed on version {version}: {exc}") from exc
-        self._report(session, base + nbuckets, RESULT_OK)
+        self._report(session, base + nbuckets, ipc.RESULT_OK)
         try:
             what = f"the commit of version {version}"
-            self._wait(lambda: cb.get(G_COMMIT) == session, session, deadline, what)
+            self._wait(lambda: cb.get(ipc.G_COMMIT) == session, session, deadline, what)
         except BaseException as exc:
             _abort(consumer, exc)
-            cb.set(cb.reader(me, R_DONE), session)
+            cb.set(cb.reader(me, ipc.R_DONE), session)
             raise
         try:
             consumer.commit(version)
         finally:
-            cb.set(cb.reader(me, R_DONE), session)
+            cb.set(cb.reader(me, ipc.R_DONE), session)
         return version
 
     def _read_buckets(
@@ -237,22 +202,22 @@ class CudaIpcReceiver:
     ) -> None:
         """Hand each slot to the consumer, wait for its reads (current stream), then release the slot."""
         cb, me = self._cb, self.index
-        checksums = bool(cb.get(G_CHECKSUMS))
+        checksums = bool(cb.get(ipc.G_CHECKSUMS))
         with torch.no_grad():
             for k in range(nbuckets):
-                j = k % NUM_SLOTS
+                j = k % ipc.NUM_SLOTS
                 seq = base + k + 1
                 self._wait(
-                    lambda j=j, seq=seq: cb.get(cb.slot(j, S_SEQ)) == seq,  # type: ignore[misc]
+                    lambda j=j, seq=seq: cb.get(cb.slot(j, ipc.S_SEQ)) == seq,  # type: ignore[misc]
                     session,
                     deadline,
                     f"bucket {k} of version {version}",
                 )
                 memory_fence()
-                nbytes = cb.get(cb.slot(j, S_NBYTES))
+                nbytes = cb.get(cb.slot(j, ipc.S_NBYTES))
                 if (
-                    cb.get(cb.slot(j, S_BUCKET)) != k
-                    or cb.get(cb.slot(j, S_SESSION)) != session
+                    cb.get(cb.slot(j, ipc.S_BUCKET)) != k
+                    or cb.get(cb.slot(j, ipc.S_SESSION)) != session
                     or nbytes != consumer.layout.buckets[k].nbytes
                 ):
                     raise MetadataError(
@@ -260,7 +225,7 @@ class CudaIpcReceiver:
                     )
                 data = self._slots.tensors[j][:nbytes]
                 if checksums:
-                    expected, actual = cb.get(cb.slot(j, S_CRC)), bucket_checksum(data)
+                    expected, actual = cb.get(cb.slot(j, ipc.S_CRC)), bucket_checksum(data)
                     if actual != expected:
                         raise ChecksumMismatchError(
                             f"bucket {k} of version {version}: crc32 {actual:#010x}, sender {expected:#010x}",
@@ -268,31 +233,32 @@ class CudaIpcReceiver:
                         )
                 consumer.consume(k, data)
                 self._slots.sync()  # the consumer's reads (on the current stream) are done
-                if cb.get(cb.slot(j, S_SEQ)) != seq:  # cannot happen while R_READING holds the sender off
+                # cannot happen while R_READING holds the sender off:
+                if cb.get(cb.slot(j, ipc.S_SEQ)) != seq:
                     raise SyncAbortedError(
                         f"IPC channel {self.name}: slot {j} was rewritten while bucket {k} was read"
                     )
-                cb.set(cb.reader(me, R_ACK), seq)
-        cb.set(cb.reader(me, R_READING), 0)  # every read of this session's slots has finished
+                cb.set(cb.reader(me, ipc.R_ACK), seq)
+        cb.set(cb.reader(me, ipc.R_READING), 0)  # every read of this session's slots has finished
 
     def _fail(
         self, consumer: BucketConsumer, error: BaseException, began: bool, session: int, last_seq: int
     ) -> None:
         """Failure: wait for every stream of the device (reads queued anywhere), then release."""
         self._slots.settle()
-        self._cb.set(self._cb.reader(self.index, R_READING), 0)
+        self._cb.set(self._cb.reader(self.index, ipc.R_READING), 0)
         if began:
             _abort(consumer, error)
-        self._report(session, last_seq, RESULT_FAILED)
+        self._report(session, last_seq, ipc.RESULT_FAILED)
 
     def _report(self, session: int, last_seq: int, result: int) -> None:
         cb, me = self._cb, self.index
-        cb.set(cb.reader(me, R_ACK), last_seq)  # release every slot of this session
-        cb.set(cb.reader(me, R_RESULT), result)
+        cb.set(cb.reader(me, ipc.R_ACK), last_seq)  # release every slot of this session
+        cb.set(cb.reader(me, ipc.R_RESULT), result)
         memory_fence()
-        cb.set(cb.reader(me, R_PREPARED), session)
-        if result == RESULT_FAILED:
-            cb.set(cb.reader(me, R_DONE), session)
+        cb.set(cb.reader(me, ipc.R_PREPARED), session)
+        if result == ipc.RESULT_FAILED:
+            cb.set(cb.reader(me, ipc.R_DONE), session)
 
     def close(self) -> None:
         """Leave the channel: settle the device, unmap the slots, then say so to the sender."""
@@ -300,10 +266,10 @@ class CudaIpcReceiver:
             return
         cb = self._cb
         self._slots.close()  # unmap first: the sender frees the slots once no reader is attached
-        cb.set(cb.reader(self.index, R_READING), 0)
-        cb.set(cb.reader(self.index, R_ATTACHED), 0)
-        cb.set(cb.reader(self.index, R_PID), 0)
-        cb.h = np.zeros(1, dtype=np.int64)
+        cb.set(cb.reader(self.index, ipc.R_READING), 0)
+        cb.set(cb.reader(self.index, ipc.R_ATTACHED), 0)
+        cb.set(cb.reader(self.index, ipc.R_PID), 0)
+        cb.detach()
         self._segment.close()
 
     def __enter__(self) -> CudaIpcReceiver:
@@ -314,7 +280,7 @@ class CudaIpcReceiver:
 
 
 def _open_slots(
-    cb: ControlBlock,
+    cb: ChannelBlock,
     meta: dict[str, Any],
     name: str,
     device: str | torch.device | None,
@@ -323,7 +289,7 @@ def _open_slots(
     handles, slot_bytes = meta["handles"], meta["slot_bytes"]  # types checked by decode_meta
     if meta["backend"] != "cuda":
         return HostOpened(handles, slot_bytes)
-    if (cb.get(G_WRITER_PID), cb.get(G_WRITER_START)) == me:
+    if (cb.get(ipc.G_WRITER_PID), cb.get(ipc.G_WRITER_START)) == me:
         # CUDA cannot open an IPC handle in the process that exported it.
         raise WeightSyncError(
             f"IPC channel {name!r}: CUDA slots must be attached from another process than the sender's"

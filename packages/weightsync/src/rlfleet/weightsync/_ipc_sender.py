@@ -8,55 +8,19 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-import numpy as np
 import torch
 
+from rlfleet.weightsync import _ipc_control as ipc
+from rlfleet.weightsync._control_block import Every, require_int_in
 from rlfleet.weightsync._cupy import import_cupy
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import PeerLostError, SlotsStillMappedError, SyncAbortedError, WeightSyncError
 from rlfleet.weightsync._integrity import bucket_checksum
-from rlfleet.weightsync._ipc_control import (
-    FORMAT,
-    G_ABORT,
-    G_BASE,
-    G_CHECKSUMS,
-    G_CLOSED,
-    G_COMMIT,
-    G_FORMAT,
-    G_MAGIC,
-    G_META_LEN,
-    G_META_OFFSET,
-    G_NBUCKETS,
-    G_READERS,
-    G_READY,
-    G_SESSION,
-    G_SLOT_BYTES,
-    G_VERSION,
-    G_WRITER_PID,
-    G_WRITER_START,
-    MAGIC,
-    MAX_READERS,
-    NUM_SLOTS,
-    R_ACK,
-    R_ATTACHED,
-    R_DONE,
-    R_PID,
-    R_PREPARED,
-    R_RESULT,
-    RESULT_FAILED,
-    S_BUCKET,
-    S_CRC,
-    S_NBYTES,
-    S_SEQ,
-    S_SESSION,
-    ControlBlock,
-    Every,
-    control_words,
-)
+from rlfleet.weightsync._ipc_control import ChannelBlock
 from rlfleet.weightsync._ipc_slots import CudaSlots, HostSlots
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import pack_bucket
-from rlfleet.weightsync._shm import SharedSegment, memory_fence, page_align, process_identity
+from rlfleet.weightsync._shm import memory_fence
 
 __all__ = ["DETACH_WAIT_S", "CudaIpcSender"]
 
@@ -87,12 +51,7 @@ class CudaIpcSender:
         backend: Backend = "cuda",
         detach_timeout_s: float = DETACH_WAIT_S,
     ) -> None:
-        if (
-            isinstance(num_readers, bool)
-            or not isinstance(num_readers, int)
-            or not 1 <= num_readers <= MAX_READERS
-        ):
-            raise ValueError(f"num_readers must be an int in [1, {MAX_READERS}], got {num_readers!r}")
+        require_int_in("num_readers", num_readers, 1, ipc.MAX_READERS)
         if not detach_timeout_s >= 0:
             raise ValueError(f"detach_timeout_s must be >= 0, got {detach_timeout_s!r}")
         self.layout = layout
@@ -125,7 +84,7 @@ class CudaIpcSender:
             separators=(",", ":"),
         ).encode()
         try:
-            self._segment, self._cb = _control_segment(meta, num_readers, slot_bytes, checksums)
+            self._segment, self._cb = ChannelBlock.create(meta, num_readers, slot_bytes, checksums)
         except BaseException:
             self._slots.close()
             raise
@@ -147,8 +106,8 @@ class CudaIpcSender:
             return
         cb = self._cb
         for i in range(self.num_readers):
-            if cb.get(cb.reader(i, R_ATTACHED)) and not cb.reader_alive(i):
-                pid = cb.get(cb.reader(i, R_PID))
+            if cb.get(cb.reader(i, ipc.R_ATTACHED)) and not cb.reader_alive(i):
+                pid = cb.get(cb.reader(i, ipc.R_PID))
                 raise PeerLostError(
                     f"IPC channel {self.name}: reader {i} (pid {pid}) died while {_text(what)}"
                 )
@@ -167,7 +126,7 @@ class CudaIpcSender:
         cb = self._cb
 
         def missing() -> list[int]:
-            return [i for i in range(self.num_readers) if not cb.get(cb.reader(i, R_ATTACHED))]
+            return [i for i in range(self.num_readers) if not cb.get(cb.reader(i, ipc.R_ATTACHED))]
 
         self._poll(lambda: not missing(), deadline, lambda: f"waiting for reader(s) {missing()} to attach")
 
@@ -180,7 +139,7 @@ class CudaIpcSender:
         """Send `version`; returns the bytes moved once every reader committed it."""
         deadline = Deadline.coerce(deadline)
         cb = self._cb
-        if cb.get(G_CLOSED):
+        if self._segment.closed or cb.get(ipc.G_CLOSED):
             raise WeightSyncError(f"IPC channel {self.name} is closed")
         if isinstance(version, bool) or not isinstance(version, int) or not -(1 << 63) <= version < 1 << 63:
             raise ValueError(f"version must be an int64, got {version!r}")
@@ -192,7 +151,7 @@ class CudaIpcSender:
         nbuckets = len(self.layout.buckets)
         self._session = session
         self._published = base + nbuckets
-        cb.set(G_SESSION, session)  # every earlier session is over
+        cb.set(ipc.G_SESSION, session)  # every earlier session is over
         memory_fence()  # then look for their readers (a reader sets R_READING, then looks here)
         try:
             self._poll(
@@ -203,16 +162,16 @@ class CudaIpcSender:
                     f"of an aborted version before version {version} rewrites them"
                 ),
             )
-            for word, value in ((G_VERSION, version), (G_NBUCKETS, nbuckets), (G_BASE, base)):
+            for word, value in ((ipc.G_VERSION, version), (ipc.G_NBUCKETS, nbuckets), (ipc.G_BASE, base)):
                 cb.set(word, value)
-            cb.set(G_CHECKSUMS, int(self.checksums))
+            cb.set(ipc.G_CHECKSUMS, int(self.checksums))
             memory_fence()
-            cb.set(G_READY, session)  # the header: readers take the session from here
+            cb.set(ipc.G_READY, session)  # the header: readers take the session from here
             total = self._send_buckets(state_dict, version, session, base, deadline)
             self._vote(version, session, deadline)
         except BaseException:
-            if cb.get(G_COMMIT) != session:
-                cb.set(G_ABORT, session)
+            if cb.get(ipc.G_COMMIT) != session:
+                cb.set(ipc.G_ABORT, session)
             raise
         return total
 
@@ -229,8 +188,8 @@ class CudaIpcSender:
         total = 0
         with torch.no_grad():
             for k in range(len(self.layout.buckets)):
-                j = k % NUM_SLOTS
-                previous = cb.get(cb.slot(j, S_SEQ))
+                j = k % ipc.NUM_SLOTS
+                previous = cb.get(cb.slot(j, ipc.S_SEQ))
                 self._poll(
                     lambda previous=previous: self._slot_free(previous, session, base),  # type: ignore[misc]
                     deadline,
@@ -240,13 +199,13 @@ class CudaIpcSender:
                     break  # a reader gave up: stop, and abort the others in `_vote`
                 data = pack_bucket(self.layout, k, state_dict, self._slots.tensors[j])
                 if self.checksums:
-                    cb.set(cb.slot(j, S_CRC), bucket_checksum(data))
+                    cb.set(cb.slot(j, ipc.S_CRC), bucket_checksum(data))
                 self._slots.sync()  # the bytes are in the slot before the sequence number says so
-                cb.set(cb.slot(j, S_BUCKET), k)
-                cb.set(cb.slot(j, S_NBYTES), data.numel())
-                cb.set(cb.slot(j, S_SESSION), session)
+                cb.set(cb.slot(j, ipc.S_BUCKET), k)
+                cb.set(cb.slot(j, ipc.S_NBYTES), data.numel())
+                cb.set(cb.slot(j, ipc.S_SESSION), session)
                 memory_fence()
-                cb.set(cb.slot(j, S_SEQ), base + k + 1)
+                cb.set(cb.slot(j, ipc.S_SEQ), base + k + 1)
                 total += data.numel()
         return total
 
@@ -255,18 +214,18 @@ class CudaIpcSender:
         cb = self._cb
         failed = self._failed(session)
         if failed:
-            cb.set(G_ABORT, session)  # the others stop waiting for buckets that will not come
+            cb.set(ipc.G_ABORT, session)  # the others stop waiting for buckets that will not come
         self._poll(lambda: self._all_prepared(session), deadline, f"waiting for readers to prepare {version}")
         failed = failed or self._failed(session)
         if failed:
-            cb.set(G_ABORT, session)
+            cb.set(ipc.G_ABORT, session)
             raise SyncAbortedError(
                 f"version {version} aborted, nothing applied: reader(s) {failed} failed to take it"
             )
         memory_fence()
-        cb.set(G_COMMIT, session)
+        cb.set(ipc.G_COMMIT, session)
         self._poll(
-            lambda: all(cb.get(cb.reader(i, R_DONE)) == session for i in range(self.num_readers)),
+            lambda: all(cb.get(cb.reader(i, ipc.R_DONE)) == session for i in range(self.num_readers)),
             deadline,
             f"waiting for readers to commit {version}",
         )
@@ -278,7 +237,7 @@ class CudaIpcSender:
             return True
         cb = self._cb
         return all(
-            cb.get(cb.reader(i, R_ACK)) >= previous or cb.get(cb.reader(i, R_PREPARED)) == session
+            cb.get(cb.reader(i, ipc.R_ACK)) >= previous or cb.get(cb.reader(i, ipc.R_PREPARED)) == session
             for i in range(self.num_readers)
         )
 
@@ -287,12 +246,13 @@ class CudaIpcSender:
         return [
             i
             for i in range(self.num_readers)
-            if cb.get(cb.reader(i, R_PREPARED)) == session and cb.get(cb.reader(i, R_RESULT)) == RESULT_FAILED
+            if cb.get(cb.reader(i, ipc.R_PREPARED)) == session
+            and cb.get(cb.reader(i, ipc.R_RESULT)) == ipc.RESULT_FAILED
         ]
 
     def _all_prepared(self, session: int) -> bool:
         cb = self._cb
-        return all(cb.get(cb.reader(i, R_PREPARED)) == session for i in range(self.num_readers))
+        return all(cb.get(cb.reader(i, ipc.R_PREPARED)) == session for i in range(self.num_readers))
 
     def close(self) -> None:
         """Tell readers the channel is gone; free the slots and the control block.
@@ -305,10 +265,10 @@ class CudaIpcSender:
         if self._segment.closed:
             return
         cb = self._cb
-        cb.set(G_CLOSED, 1)
+        cb.set(ipc.G_CLOSED, 1)
         still = self._wait_detached(self.detach_timeout_s)
-        pids = {i: cb.get(cb.reader(i, R_PID)) for i in still}
-        cb.h = np.zeros(1, dtype=np.int64)
+        pids = {i: cb.get(cb.reader(i, ipc.R_PID)) for i in still}
+        cb.detach()
         self._segment.close()
         self._segment.unlink()
         if not still:
@@ -317,7 +277,7 @@ class CudaIpcSender:
         self._slots.leak()
         raise SlotsStillMappedError(
             f"IPC channel {self.name}: reader(s) {still} (pids {list(pids.values())}) still map the "
-            f"slots {self.detach_timeout_s:.1f}s after close; the slots ({NUM_SLOTS} x "
+            f"slots {self.detach_timeout_s:.1f}s after close; the slots ({ipc.NUM_SLOTS} x "
             f"{self.layout.max_bucket_nbytes} bytes) are leaked until this process exits rather "
             "than freed under a reader (close the readers first)",
             still,
@@ -347,30 +307,3 @@ class CudaIpcSender:
 
 def _text(what: Callable[[], str] | str) -> str:
     return what if isinstance(what, str) else what()
-
-
-def _control_segment(
-    meta: bytes, num_readers: int, slot_bytes: int, checksums: bool
-) -> tuple[SharedSegment, ControlBlock]:
-    """The channel's control block: global words written, magic last (a reader checks it first)."""
-    words = control_words(num_readers)
-    meta_offset = (words * 8 + 63) // 64 * 64
-    segment = SharedSegment.create(page_align(meta_offset + len(meta)), prefix="rlfleet-ipc")
-    buf = segment.buffer
-    buf[meta_offset : meta_offset + len(meta)] = meta
-    cb = ControlBlock(np.frombuffer(buf, dtype=np.int64, count=words), num_readers)
-    pid, start = process_identity()
-    for word, value in (
-        (G_FORMAT, FORMAT),
-        (G_WRITER_PID, pid),
-        (G_WRITER_START, start),
-        (G_READERS, num_readers),
-        (G_SLOT_BYTES, slot_bytes),
-        (G_META_LEN, len(meta)),
-        (G_META_OFFSET, meta_offset),
-        (G_CHECKSUMS, int(checksums)),
-    ):
-        cb.set(word, value)
-    memory_fence()
-    cb.set(G_MAGIC, MAGIC)
-    return segment, cb

@@ -20,7 +20,7 @@ stream only; a consumer reading them on another stream synchronizes itself.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -111,42 +111,39 @@ class NcclWire(_WireBase):
         comm = join_communicator(nccl, store, name, rank, world_size, src, deadline, bind)
         return cls(comm, rank, world_size, src, dev)
 
-    def _launch(self, tensor: torch.Tensor, op: str) -> _NcclPending:
+    def enqueue(self, tensor: torch.Tensor, collective: Callable[[int], None]) -> _NcclPending:
+        """Run ``collective(cuda_stream)`` on the wire's side stream, after the work queued on the
+        caller's current stream; returns its pending wait (see the module's stream contract).
+
+        `tensor` (what the collective reads or writes) must be contiguous on the wire's device;
+        it is kept alive until the collective finished. A wire aborted earlier refuses.
+        """
         if self.aborted:
             raise PeerLostError("the NCCL communicator was aborted after an earlier failure")
         if tensor.device != self._device or not tensor.is_contiguous():
             raise ValueError(f"NCCL tensors must be contiguous on {self._device}, got {tensor.device}")
-        nccl = self._nccl
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
-            if op == "bcast":
-                self.comm.bcast(
-                    tensor.data_ptr(), tensor.numel(), nccl.NCCL_UINT8, self._src, stream.cuda_stream
-                )
-            else:
-                self.comm.allReduce(
-                    tensor.data_ptr(),
-                    tensor.data_ptr(),
-                    tensor.numel(),
-                    nccl.NCCL_INT64,
-                    nccl.NCCL_SUM,
-                    stream.cuda_stream,
-                )
+            collective(stream.cuda_stream)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         tensor.record_stream(stream)
         return _NcclPending(self, event, tensor)
 
     def broadcast(self, tensor: torch.Tensor) -> _NcclPending:
-        if tensor.dtype != torch.uint8:
-            tensor = tensor.view(torch.uint8)
-        return self._launch(tensor, "bcast")
+        data = tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+        nccl, ptr, count, src = self._nccl, data.data_ptr(), data.numel(), self._src
+        return self.enqueue(data, lambda stream: self.comm.bcast(ptr, count, nccl.NCCL_UINT8, src, stream))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> _NcclPending:
         if tensor.dtype != torch.int64:
             raise ValueError(f"all_reduce_sum takes int64 tensors, got {tensor.dtype}")
-        return self._launch(tensor, "allreduce")
+        nccl, ptr, count = self._nccl, tensor.data_ptr(), tensor.numel()
+        return self.enqueue(
+            tensor,
+            lambda stream: self.comm.allReduce(ptr, ptr, count, nccl.NCCL_INT64, nccl.NCCL_SUM, stream),
+        )
 
     def async_error(self) -> str | None:
         try:

@@ -25,7 +25,7 @@ import json
 import secrets
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -162,63 +162,20 @@ def check_in(
     keys are fixed per prefix, so a key left by an earlier check-in counts: use a prefix once
     per store, or `join_generation` where a prefix may be joined again.
     """
-    deadline = Deadline.coerce(deadline)
-    store.set(f"{prefix}/{rank}", "1")
-    missing = [r for r in ranks if r != rank]
-    backoff = Backoff(initial=1e-3, maximum=50e-3)
-    while True:
-        try:
-            missing = [r for r in missing if not store.check([f"{prefix}/{r}"])]
-        except RuntimeError as exc:  # the store's host gave up (its own deadline) and closed it
-            raise RendezvousTimeoutError(
-                f"{what}: the rendezvous store closed while rank {rank} waited for rank(s) {missing} "
-                f"({exc}); they did not join in time",
-                missing,
-            ) from exc
-        if not missing:
-            return
-        if deadline.expired:
-            joined = sorted(set(ranks) - set(missing))
-            raise RendezvousTimeoutError(
-                f"{what}: rank(s) {missing} did not join within {deadline.elapsed:.1f}s "
-                f"(joined: {joined}, waiting on rank {rank})",
-                missing,
-            )
-        backoff.sleep(deadline.remaining())
+    waiting = _Waiting(store, rank, Deadline.coerce(deadline), what)
+    with waiting.store_errors():
+        store.set(f"{prefix}/{rank}", "1")
+        waiting.until_present(lambda r: f"{prefix}/{r}", [r for r in ranks if r != rank], "did not join")
 
 
-@dataclass(frozen=True)
-class Roster:
-    """What the ranks of one `join_generation` agreed on."""
+class _Waiting:
+    """One rank waiting on other ranks' keys in a store under a deadline: every error it raises
+    is a RendezvousTimeoutError naming the ranks still missing."""
 
-    #: Never used before by a join of the same prefix in the same store (the store's counter).
-    generation: int
-    #: What the lead published with this generation (e.g. an NCCL unique id), or None.
-    payload: str | None
-
-
-class _Join:
-    """One rank's side of `join_generation` (keys, reads, and the errors that name ranks)."""
-
-    def __init__(
-        self, store: Store, prefix: str, rank: int, ranks: list[int], lead: int, deadline: Deadline, what: str
-    ) -> None:
-        self.store, self.prefix, self.rank, self.ranks = store, prefix, rank, ranks
-        self.lead, self.deadline, self.what = lead, deadline, what
-        self.nonce = secrets.token_hex(16)  # this join's check-in: no earlier or foreign key matches it
-        self.unconfirmed = [r for r in ranks if r != rank]
+    def __init__(self, store: Store, rank: int, deadline: Deadline, what: str) -> None:
+        self.store, self.rank, self.deadline, self.what = store, rank, deadline, what
+        self.unconfirmed: list[int] = []
         self.backoff = Backoff(initial=1e-3, maximum=50e-3)
-
-    def nonce_key(self, rank: int) -> str:
-        return f"{self.prefix}/nonce/{rank}"
-
-    def ack_key(self, generation: int, rank: int) -> str:
-        return f"{self.prefix}/{generation}/ack/{rank}"
-
-    def read(self, key: str) -> str | None:
-        if not self.store.check([key]):
-            return None
-        return bytes(self.store.get(key)).decode("utf-8", "replace")
 
     def wait(self, missing: list[int], doing: str) -> None:
         """Sleep a little, or raise RendezvousTimeoutError naming `missing` at the deadline."""
@@ -231,12 +188,64 @@ class _Join:
             )
         self.backoff.sleep(self.deadline.remaining())
 
+    def until_present(self, key: Callable[[int], str], ranks: list[int], doing: str) -> None:
+        """Wait until ``key(r)`` is in the store for every rank `r` of `ranks`."""
+        missing = self.unconfirmed = ranks
+        while missing := [r for r in missing if not self.store.check([key(r)])]:
+            self.wait(missing, doing)
+
+    @contextlib.contextmanager
+    def store_errors(self) -> Iterator[None]:
+        """A failed or closed store (its host gave up, or died) names the ranks still awaited."""
+        try:
+            yield
+        except WeightSyncError:
+            raise
+        except RuntimeError as exc:  # DistStoreError / DistNetworkError
+            raise RendezvousTimeoutError(
+                f"{self.what}: the rendezvous store failed while rank {self.rank} waited for rank(s) "
+                f"{self.unconfirmed} ({exc})",
+                self.unconfirmed,
+            ) from exc
+
+
+@dataclass(frozen=True)
+class Roster:
+    """What the ranks of one `join_generation` agreed on."""
+
+    #: Never used before by a join of the same prefix in the same store (the store's counter).
+    generation: int
+    #: What the lead published with this generation (e.g. an NCCL unique id), or None.
+    payload: str | None
+
+
+class _Join(_Waiting):
+    """One rank's side of `join_generation` (keys, reads, and the errors that name ranks)."""
+
+    def __init__(
+        self, store: Store, prefix: str, rank: int, ranks: list[int], lead: int, deadline: Deadline, what: str
+    ) -> None:
+        super().__init__(store, rank, deadline, what)
+        self.prefix, self.ranks, self.lead = prefix, ranks, lead
+        self.nonce = secrets.token_hex(16)  # this join's check-in: no earlier or foreign key matches it
+        self.unconfirmed = [r for r in ranks if r != rank]
+
+    def nonce_key(self, rank: int) -> str:
+        return f"{self.prefix}/nonce/{rank}"
+
+    def ack_key(self, generation: int, rank: int) -> str:
+        return f"{self.prefix}/{generation}/ack/{rank}"
+
+    def read(self, key: str) -> str | None:
+        if not self.store.check([key]):
+            return None
+        return bytes(self.store.get(key)).decode("utf-8", "replace")
+
     def run_lead(self, payload: Callable[[], str] | None) -> Roster:
         """Publish rosters until every rank acknowledged one with its own nonce, then say go."""
         data = None if payload is None else payload()
         others = [r for r in self.ranks if r != self.rank]
-        while absent := [r for r in others if not self.store.check([self.nonce_key(r)])]:
-            self.wait(absent, "did not check in")
+        self.until_present(self.nonce_key, others, "did not check in")
         while True:
             nonces = {r: self.read(self.nonce_key(r)) or "" for r in others}
             nonces[self.rank] = self.nonce
@@ -338,17 +347,9 @@ def join_generation(
     if len(set(members)) != len(members) or rank not in members or lead not in members:
         raise ValueError(f"{what}: rank {rank} and lead {lead} must be among distinct ranks {members}")
     join = _Join(store, prefix, rank, members, lead, Deadline.coerce(deadline), what)
-    try:
+    with join.store_errors():
         store.set(join.nonce_key(rank), join.nonce)
         return join.run_lead(payload) if rank == lead else join.run_follower()
-    except WeightSyncError:
-        raise
-    except RuntimeError as exc:  # DistStoreError / DistNetworkError: the store failed or closed
-        raise RendezvousTimeoutError(
-            f"{what}: the rendezvous store failed while rank {rank} waited for rank(s) "
-            f"{join.unconfirmed} ({exc})",
-            join.unconfirmed,
-        ) from exc
 
 
 def generation_store(store: Store, prefix: str, roster: Roster) -> Store:

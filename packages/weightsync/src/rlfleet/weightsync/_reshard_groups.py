@@ -18,7 +18,6 @@ from torch._C import _distributed_c10d as _c10d
 from rlfleet.weightsync._core import Collective, Pending
 from rlfleet.weightsync._cupy import import_nccl
 from rlfleet.weightsync._dist import _GroupMember, _TorchPending, map_dist_error
-from rlfleet.weightsync._errors import PeerLostError
 from rlfleet.weightsync._nccl import NcclWire, _NcclPending
 from rlfleet.weightsync._reshard_program import GEN, TRAIN, Peer
 
@@ -103,21 +102,10 @@ class NcclP2PWire(_GroupMember):  # pragma: no cover - needs several GPUs and cu
         return cls(NcclWire.create(store, rank, world_size, 0, **options))
 
     def _launch(self, tensor: torch.Tensor, peer: int, op: str) -> _NcclPending:
-        base = self.base
-        if base.aborted:
-            raise PeerLostError("the NCCL communicator was aborted after an earlier failure")
-        if tensor.device != base.device or not tensor.is_contiguous():
-            raise ValueError(f"NCCL tensors must be contiguous on {base.device}, got {tensor.device}")
-        nccl = import_nccl()
-        stream = base.stream
-        stream.wait_stream(torch.cuda.current_stream(base.device))
-        with torch.cuda.stream(stream):
-            call = base.comm.send if op == "send" else base.comm.recv
-            call(tensor.data_ptr(), tensor.numel(), nccl.NCCL_UINT8, peer, stream.cuda_stream)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        tensor.record_stream(stream)
-        return _NcclPending(base, event, tensor)
+        base, nccl = self.base, import_nccl()
+        call = base.comm.send if op == "send" else base.comm.recv
+        ptr, count = tensor.data_ptr(), tensor.numel()
+        return base.enqueue(tensor, lambda stream: call(ptr, count, nccl.NCCL_UINT8, peer, stream))
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> _NcclPending:
         return self._launch(tensor.view(torch.uint8), peer, "send")

@@ -33,7 +33,7 @@ import torch
 
 from rlfleet.weightsync._block import adopt, flat_block
 from rlfleet.weightsync._buffers import BufferBase, live_tensors
-from rlfleet.weightsync._control_block import INT64_MAX
+from rlfleet.weightsync._control_block import INT64_MAX, require_int_in
 from rlfleet.weightsync._copy import copy_tensors
 from rlfleet.weightsync._deadline import Backoff, Deadline, current_deadline, deadline_or
 from rlfleet.weightsync._errors import VersionError, WeightSyncError
@@ -98,10 +98,8 @@ class SharedBuffer(BufferBase):
         checksums: bool = False,
         reclaim: bool = True,
     ) -> None:
-        bounds = (("num_readers", num_readers, 1, MAX_READERS), ("slots", slots, MIN_SLOTS, MAX_SLOTS))
-        for what, value, low, high in bounds:
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ValueError(f"{what} must be an int in [{low}, {high}], got {value!r}")
+        require_int_in("num_readers", num_readers, 1, MAX_READERS)
+        require_int_in("slots", slots, MIN_SLOTS, MAX_SLOTS)
         super().__init__(layout)
         self.num_readers = num_readers
         self.num_slots = slots

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from rlfleet.weightsync._control_block import INT64_MAX, ControlBlock, Every
+from rlfleet.weightsync._control_block import INT64_MAX, ControlBlock, Every, require_int_in
 from rlfleet.weightsync._deadline import Backoff, Deadline, deadline_or
 from rlfleet.weightsync._errors import PeerLostError, WeightSyncError
 from rlfleet.weightsync._integrity import bucket_checksum
@@ -91,12 +91,8 @@ class ShmRingSender:
         drop_dead_readers: bool = False,
         prefix: str = "rlfleet",
     ) -> None:
-        if isinstance(num_readers, bool) or not isinstance(num_readers, int) or num_readers < 1:
-            raise ValueError(f"num_readers must be an int >= 1, got {num_readers!r}")
-        if num_readers > MAX_READERS:
-            raise ValueError(f"num_readers {num_readers} is over the {MAX_READERS} limit")
-        if isinstance(slots, bool) or not isinstance(slots, int) or not 2 <= slots <= MAX_SLOTS:
-            raise ValueError(f"slots must be an int in [2, {MAX_SLOTS}], got {slots!r}")
+        require_int_in("num_readers", num_readers, 1, MAX_READERS)
+        require_int_in("slots", slots, 2, MAX_SLOTS)
         self.layout = layout
         self.num_readers = num_readers
         self.num_slots = slots
