@@ -138,6 +138,40 @@ def scenario_stream_broadcast(rank: int, world: int, port: int) -> dict[str, Any
     return steps
 
 
+def scenario_stream_ipc(rank: int, world: int, port: int, path: str, backend: str) -> dict[str, Any]:
+    """CUDA IPC (`backend` "host": the same state machine over shared memory): rank 0 streams."""
+    from rlfleet.weightsync import CudaIpcReceiver, CudaIpcSender
+
+    device = "cuda" if backend == "cuda" else "cpu"
+    layout = w.layout_of(w.make_state(0), BUCKET)
+    steps: dict[str, Any] = {}
+    if rank == 0:
+        with CudaIpcSender(layout, world - 1, backend=backend, checksums=True) as sender:  # type: ignore[arg-type]
+            w._publish_name(path, sender.name)
+            for step, version in IPC_STEPS:
+                pairs = [(n, t.to(device)) for n, t in _pairs(step, version)]
+                counted = Counted(pairs)
+                steps[step] = w.outcome(lambda: sender.send(counted, version, DEADLINE))  # noqa: B023
+                steps[step]["drained"] = counted.taken == len(pairs)
+        return steps
+    with CudaIpcReceiver.attach(w._read_name(path), rank - 1) as receiver:
+        consumer = RecordingConsumer(layout, w.make_state(0))
+        for step, _ in IPC_STEPS:
+            result = w.outcome(lambda: receiver.receive(consumer, DEADLINE))
+            result["applied"] = consumer.version
+            result["checksum"] = checksum(consumer.weights)
+            steps[step] = result
+    return steps
+
+
+#: (step, version) of the IPC scenario: good versions around broken streams.
+IPC_STEPS = [("v1", 1), ("order", 2), ("missing_last", 2), ("extra_end", 2), ("v2", 3)]
+
+
+def _pairs(step: str, version: int) -> list[tuple[str, Any]]:
+    return list(w.make_state(version).items()) if step.startswith("v") else broken_streams(version)[step]
+
+
 def ring_reader(name: str, index: int, bucket: int, steps: int, queue: Any) -> None:
     """A reader process: `steps` receives into a DoubleBuffer, each reported (version, checksum)."""
     layout = w.layout_of(w.make_state(0), bucket)

@@ -9,6 +9,7 @@ the parameter, leaves every receiver on its previous version, and is drained to 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -153,6 +154,43 @@ def test_streamed_ring_is_bit_exact_and_a_broken_stream_keeps_the_previous_versi
     assert outcomes["order"] == s.BROKEN["order"][1]
     assert outcomes["missing_last"] == s.BROKEN["missing_last"][1]
     assert outcomes["extra_end"] == "not.in.layout"
+
+
+# -- CUDA IPC (the host backend: the same state machine over shared memory) -------------------------
+def _ipc_checks(results: dict[int, Any]) -> None:
+    sender = results[0]
+    for step, version in s.IPC_STEPS:
+        if step.startswith("v"):
+            assert sender[step]["ok"], (step, sender[step])
+        else:
+            assert sender[step]["type"] == "LayoutMismatchError", (step, sender[step])
+            assert sender[step]["parameter"] == s.BROKEN[step][1]
+            assert sender[step]["drained"]
+        for rank in (1, 2):
+            got = results[rank][step]
+            applied = version if step.startswith("v") else 1
+            assert got["applied"] == applied, (rank, step, got)
+            assert got["checksum"] == checksum(w.make_state(applied))
+            if not step.startswith("v"):
+                assert got["type"] == "SyncAbortedError", (rank, step, got)
+
+
+@pytest.mark.timeout(200)
+def test_streamed_cuda_ipc_host_backend(tmp_path: Path) -> None:
+    results = w.run_ranks(s.scenario_stream_ipc, 3, str(tmp_path / "channel"), "host", timeout=180.0)
+    _ipc_checks(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(200)
+def test_streamed_cuda_ipc_on_a_gpu(tmp_path: Path) -> None:
+    """The stream's tensors on the GPU, copied into the device slots on the current stream."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("cupy")
+    results = w.run_ranks(s.scenario_stream_ipc, 3, str(tmp_path / "channel"), "cuda", timeout=180.0)
+    _ipc_checks(results)
 
 
 # -- SharedBuffer.publish: the node buffer fed by `feed` ----------------------------------------------
