@@ -45,14 +45,13 @@ from __future__ import annotations
 import gc
 import os
 import time
-import traceback
 from datetime import timedelta
 from typing import Any
 
 import torch
 from _claims import arguments, claim, report
 from _state import MiB
-from _weightsync_dist import peak_rss, reset_peak
+from _weightsync_dist import peak_rss, reset_peak, run_processes
 from torch import nn
 
 KINDS = ("streamed", "materialized", "direct", "load_weights")
@@ -63,54 +62,46 @@ SIZES = {
 }
 
 
+def _linears(shapes: dict[str, tuple[int, int]]) -> nn.ModuleDict:
+    return nn.ModuleDict(
+        {name: nn.Linear(fan_in, fan_out, bias=False) for name, (fan_in, fan_out) in shapes.items()}
+    )
+
+
 class Block(nn.Module):
-    """A decoder block's parameters under Llama's names (the sync sees names, shapes, values)."""
+    """A decoder block's weights under Llama's names: the sync sees names, shapes and values, so
+    no forward pass is ever run (FSDP2 only asks that one exists)."""
 
     def __init__(self, h: int, i: int) -> None:
         super().__init__()
-        self.self_attn = nn.ModuleDict(
-            {p: nn.Linear(h, h, bias=False) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-        )
-        self.mlp = nn.ModuleDict(
-            {
-                "gate_proj": nn.Linear(h, i, bias=False),
-                "up_proj": nn.Linear(h, i, bias=False),
-                "down_proj": nn.Linear(i, h, bias=False),
-            }
-        )
+        self.self_attn = _linears(dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), (h, h)))
+        self.mlp = _linears({"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)})
         self.input_layernorm = nn.LayerNorm(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        x = x + self.self_attn["o_proj"](self.self_attn["v_proj"](h))
-        out: torch.Tensor = x + self.mlp["down_proj"](self.mlp["up_proj"](h))
-        return out
+        return x
 
 
 class Model(nn.Module):
-    def __init__(self, layers: int, hidden: int, inter: int, vocab: int) -> None:
-        super().__init__()
-        self.model = nn.ModuleDict(
-            {
-                "embed_tokens": nn.Embedding(vocab, hidden),
-                "layers": nn.ModuleList(Block(hidden, inter) for _ in range(layers)),
-                "norm": nn.LayerNorm(hidden),
-            }
-        )
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+    """Embedding, decoder blocks, final norm and head, named as Llama's are."""
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.model["embed_tokens"](tokens)
-        for layer in self.model["layers"]:
-            x = layer(x)
-        out: torch.Tensor = self.lm_head(self.model["norm"](x))
-        return out
+    def __init__(self, size: dict[str, int]) -> None:
+        super().__init__()
+        h, vocab = size["hidden"], size["vocab"]
+        blocks = nn.ModuleList(Block(h, size["inter"]) for _ in range(size["layers"]))
+        self.model = nn.ModuleDict(
+            {"embed_tokens": nn.Embedding(vocab, h), "layers": blocks, "norm": nn.LayerNorm(h)}
+        )
+        self.lm_head = nn.Linear(h, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 def build_model(size: dict[str, int]) -> Model:
     """The model of `size`, seeded: every process builds the same weights."""
     torch.manual_seed(0)
-    return Model(size["layers"], size["hidden"], size["inter"], size["vocab"])
+    return Model(size)
 
 
 def bump(tensors: Any) -> None:
@@ -126,44 +117,45 @@ def schedule(rounds: int) -> list[str]:
 
 
 # -- processes --------------------------------------------------------------------------------------
-def _store(rank: int, cell: Any) -> Any:
+def _store(rank: int, port: int) -> Any:
+    """Rank 0 hosts the run's TCPStore on loopback; the others connect to it."""
     import torch.distributed as dist
 
     from rlfleet.weightsync import host_store
 
     if rank == 0:
-        store = host_store("127.0.0.1", 0, timeout_s=DEADLINE)
-        cell.value = store.port
-        return store
-    end = time.monotonic() + 120
-    while cell.value == 0:
-        if time.monotonic() > end:
-            raise TimeoutError("rank 0 never published its store")
-        time.sleep(0.01)
-    return dist.TCPStore("127.0.0.1", cell.value, is_master=False, timeout=timedelta(seconds=DEADLINE))
+        return host_store("127.0.0.1", port, timeout_s=DEADLINE)
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=DEADLINE))
+
+
+def _sharded(rank: int, store: Any, size: dict[str, int]) -> tuple[Model, Any]:
+    """The model, sharded with FSDP2 over the trainer's own gloo group; its layout (global shapes)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rlfleet.weightsync import Layout, layout_entries
+
+    trainer_store = dist.PrefixStore("fsdp/", store)
+    dist.init_process_group(
+        "gloo", store=trainer_store, rank=rank, world_size=2, timeout=timedelta(seconds=DEADLINE)
+    )
+    model = build_model(size)
+    layout = Layout(layout_entries(model), size["bucket"])
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.model["layers"]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, layout
 
 
 def _trainer(rank: int, store: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """Ranks 0 and 1: FSDP2 on gloo; rank 0 also sends every version and keeps the clock."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from rlfleet.weightsync import BroadcastSender, Layout, MemberGroup, full_tensors, layout_entries
+    from rlfleet.weightsync import BroadcastSender, MemberGroup, full_tensors
 
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore("fsdp/", store),
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=DEADLINE),
-    )
-    model = build_model(cfg["size"])
-    layout = Layout(layout_entries(model), cfg["size"]["bucket"])
-    mesh = init_device_mesh("cpu", (2,))
-    for layer in model.model["layers"]:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model, layout = _sharded(rank, store, cfg["size"])
     sender = None
     if rank == 0:
         sender = BroadcastSender(layout, MemberGroup.create(store, "xnode", 0, 2, DEADLINE), 0)
@@ -234,54 +226,15 @@ def _receiver(store: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"bit_exact": exact}
 
 
-def _worker(rank: int, cfg: dict[str, Any], cell: Any, queue: Any) -> None:
+def _body(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
-    try:
-        store = _store(rank, cell)
-        result = _trainer(rank, store, cfg) if rank < 2 else _receiver(store, cfg)
-        if rank == 0:  # the store's host leaves last
-            store.wait(["done/1", "done/2"], timedelta(seconds=DEADLINE))
-        else:
-            store.set(f"done/{rank}", "1")
-        queue.put((rank, "ok", result))
-    except BaseException as exc:
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
-
-
-def run(cfg: dict[str, Any], timeout: float) -> dict[int, dict[str, Any]]:
-    """The three processes, freed tensors returned to the kernel (MALLOC_MMAP_THRESHOLD_)."""
-    import torch.multiprocessing as mp
-
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by each spawned process at start-up
-    ctx = mp.get_context("spawn")
-    queue, cell = ctx.Queue(), ctx.Value("i", 0)
-    procs = [ctx.Process(target=_worker, args=(r, cfg, cell, queue), daemon=True) for r in range(3)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    end = time.monotonic() + timeout
-    try:
-        while len(results) < len(procs):
-            if time.monotonic() > end:
-                raise TimeoutError(f"the benchmark's processes did not finish within {timeout:.0f}s")
-            try:
-                rank, status, value = queue.get(timeout=1.0)
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a benchmark process died") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    return results
+    store = _store(rank, port)
+    result = _trainer(rank, store, cfg) if rank < 2 else _receiver(store, cfg)
+    if rank == 0:  # the store's host leaves last
+        store.wait([f"done/{r}" for r in range(1, world)], timedelta(seconds=DEADLINE))
+    else:
+        store.set(f"done/{rank}", "1")
+    return result
 
 
 def claims_of(results: dict[int, dict[str, Any]], rounds: int) -> dict[str, Any]:
@@ -316,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 3)
     cfg = {"size": SIZES["quick" if args.quick else "full"], "rounds": rounds}
-    results = run(cfg, timeout=600.0 if args.quick else 1800.0)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by each spawned process at start-up
+    results = run_processes(cfg, 3, 600.0 if args.quick else 1800.0, body=_body)
     return report(claims_of(results, rounds), args.json, title="streaming senders (FSDP2 over gloo)")
 
 
