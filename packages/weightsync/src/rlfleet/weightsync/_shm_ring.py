@@ -147,6 +147,9 @@ class ShmRingSender:
             if self._ring.get(self._ring.reader(i, R_DONE)) == session:
                 continue
             if not self._ring.reader_alive(i):
+                memory_fence()  # a reader marks the session done, then leaves: look again
+                if self._ring.get(self._ring.reader(i, R_DONE)) == session:
+                    continue
                 pid = self._ring.get(self._ring.reader(i, R_PID))
                 if not self.drop_dead_readers:
                     raise PeerLostError(f"ring {self.name}: reader {i} (pid {pid}) died or left while {what}")
