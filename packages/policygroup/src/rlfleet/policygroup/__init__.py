@@ -11,9 +11,11 @@ from rlfleet.policygroup._config import (
     TrainConfig,
     WeightBufferConfig,
 )
+from rlfleet.policygroup._engines import RolloutEngines
 from rlfleet.policygroup._errors import (
     CommGroupError,
     PolicyGroupError,
+    RefitChannelError,
     TaskTimeoutError,
     TrainWorkerDiedError,
     WorkerDiedError,
@@ -36,6 +38,8 @@ __all__ = [
     "PolicyGroup",
     "PolicyGroupError",
     "PolicyRole",
+    "RefitChannelError",
+    "RolloutEngines",
     "SyncOutcome",
     "TaskSubmitter",
     "TaskTimeoutError",

@@ -30,3 +30,7 @@ class CommGroupError(PolicyGroupError):
 
 class TaskTimeoutError(PolicyGroupError, TimeoutError):
     """A call on a policy did not finish within its deadline."""
+
+
+class RefitChannelError(PolicyGroupError):
+    """The refit control channel refused a message (not one JSON object) or is closed."""

@@ -20,6 +20,7 @@ import torch
 from rlfleet.placement import Parallelism, ParamSpec, ReshardPlan, plan_reshard
 from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import CommGroupError
+from rlfleet.policygroup._refit import transport_state
 from rlfleet.weightsync import (
     Deadline,
     DoubleBuffer,
@@ -30,6 +31,8 @@ from rlfleet.weightsync import (
     ReshardSender,
     ReshardStats,
     ServingLock,
+    SyncWatch,
+    WatchedP2PWire,
     WorkerWeights,
     connect_store,
     dtype_name,
@@ -58,6 +61,8 @@ class _ReshardState:
     consumer: DoubleBuffer | None = None
     last: ReshardStats | None = None
     kv_scales: dict[str, float] = field(default_factory=dict)
+    # the refit's deadline: a watchdog that stand_down_refit_watchdog lifts (the wire has none)
+    watch: SyncWatch = field(default_factory=lambda: SyncWatch("nccl_reshard"))
 
 
 class ReshardWorkerMixin:
@@ -207,7 +212,8 @@ class ReshardWorkerMixin:
                     f"{side} rank {rank} should be rank {expected} of stage {stage}'s group, "
                     f"joined as {state.my_rank_in_group}"
                 )
-            peer_groups.append(PeerGroup.stage(group, ranks, gen.world_size, key=stage))
+            wire = WatchedP2PWire(group, state.watch)
+            peer_groups.append(PeerGroup.stage(wire, ranks, gen.world_size, key=stage))
         bucket_bytes = min(self.config.weight_buffer.bucket_bytes, 64 * 1024 * 1024)
         state.plan, state.program = plan, program
         state.sender = state.receiver = None
@@ -222,7 +228,7 @@ class ReshardWorkerMixin:
                 self.model, layout, version=version, serving_lock=self._serve, commit_timeout_s=drain, who=who
             )
         summary = plan.summary()
-        return {
+        info = {
             "digest": plan.digest,
             "role": side,
             "rank": rank,
@@ -235,6 +241,9 @@ class ReshardWorkerMixin:
             "peers": [r for _, r in program.peers()],
             "tensors": len(program.tensors),
         }
+        groups = {str(k): {"rank": int(g.rank()), "size": int(g.size())} for k, g in state.groups.items()}
+        transport_state(self, "nccl_reshard").update(info, groups=groups, bucket_bytes=bucket_bytes)
+        return info
 
     def nccl_reshard_refit(
         self,
@@ -246,10 +255,24 @@ class ReshardWorkerMixin:
         """Move one version from the training workers to the generation workers.
 
         Raises a WeightSyncError subclass naming what failed (and nothing is applied anywhere)
-        if any worker fails, a peer dies, or ``refit_timeout_s`` passes.
+        if any worker fails, a peer dies, or ``refit_timeout_s`` passes. That deadline is a
+        watchdog: once `stand_down_refit_watchdog()` stands it down the refit ends only by data
+        or by a lost peer.
         """
         state = self._reshard_state()
-        deadline = Deadline(DEFAULT_REFIT_TIMEOUT_S if refit_timeout_s is None else refit_timeout_s)
+        timeout_s = DEFAULT_REFIT_TIMEOUT_S if refit_timeout_s is None else refit_timeout_s
+        with state.watch.guard(timeout_s, "nccl_reshard_refit") as deadline:
+            self._reshard_refit(state, kv_scales, version, deadline)
+        refit = transport_state(self, "nccl_reshard")
+        refit.update(version=self._weights.version, last=self.get_reshard_stats())
+
+    def _reshard_refit(
+        self,
+        state: _ReshardState,
+        kv_scales: dict[str, float] | None,
+        version: int | None,
+        deadline: Deadline,
+    ) -> None:
         if state.sender is not None:
             v = self._weights.version + 1 if version is None else int(version)
             extras = {"kv_scales": {str(k): float(x) for k, x in kv_scales.items()}} if kv_scales else {}

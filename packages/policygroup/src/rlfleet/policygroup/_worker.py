@@ -25,6 +25,7 @@ from rlfleet.policygroup._checkpoint import Checkpoints
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
 from rlfleet.policygroup._errors import WorkerDiedError
 from rlfleet.policygroup._offload import Offload
+from rlfleet.policygroup._refit import RefitCalls
 from rlfleet.policygroup._reshard import ReshardWorkerMixin
 from rlfleet.policygroup._worker_comm import CommGroupCalls, WorkerComm
 from rlfleet.weightsync import (
@@ -35,7 +36,6 @@ from rlfleet.weightsync import (
     WorkerWeights,
     checksum,
     fingerprint,
-    stand_down_armed_watchdogs,
 )
 
 
@@ -49,7 +49,7 @@ class PolicyRole(str, enum.Enum):
 ROLE_NAMES = {PolicyRole.TRAIN: "trainer", PolicyRole.EVAL: "rollout worker"}  # in messages
 
 
-class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
+class BasePolicy(CommGroupCalls, ReshardWorkerMixin, RefitCalls):
     """A trainer or rollout worker; subclass it with a model, a rollout step and a train step.
 
     Works as a plain object (single process) and as a Ray actor (`ray.remote(cls)`); the policy
@@ -409,9 +409,6 @@ class BasePolicy(CommGroupCalls, ReshardWorkerMixin):
     def stop_gpu_profiling(self) -> str | None:
         """Stop the profiler; returns the path of the Chrome trace written (None if not running)."""
         return self._profiler.stop(f"{self.role.value}{self.index}")
-
-    def stand_down_refit_watchdog(self) -> int:
-        return stand_down_armed_watchdogs()
 
     def get_reference_policy_logprobs(
         self, *, data: Mapping[str, Any], micro_batch_size: int | None = None

@@ -88,6 +88,7 @@ class WorkerComm:
         self._registered: set[str] = set()  # groups torch.distributed knows (made by every rank)
         self._broadcasts: dict[tuple[str, str, int], BroadcastSender | BroadcastReceiver] = {}
         self._collective_store: Any = None
+        self.collective: dict[str, Any] = {}  # init_collective's facts (JSON-safe), for the refit
 
     # -- the world ----------------------------------------------------------------------
     def host_store(self, host: str) -> tuple[str, int]:
@@ -342,6 +343,8 @@ class CommGroupCalls:
         timeout_s = self.config.group_timeout_s if timeout_s is None else timeout_s
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.model_update_group = self._comm.join_collective(ip, port, rank, world_size, timeout_s, backend)
+        facts = {"address": f"{ip}:{port}", "world_size": world_size, "train_world_size": train_world_size}
+        self._comm.collective = {**facts, "rank": rank, "backend": backend}
 
     def allreduce_gradients(self) -> None:
         """Average gradients over the train data-parallel group (call between backward and step)."""

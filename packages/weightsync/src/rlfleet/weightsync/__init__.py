@@ -127,6 +127,15 @@ from rlfleet.weightsync._shm import (
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
 from rlfleet.weightsync._strategy import WEIGHT_BUFFER_STRATEGIES, WeightBufferStrategy, check_strategy
 from rlfleet.weightsync._stream import WeightStream
+from rlfleet.weightsync._sync_watch import (
+    WIRE_TIMEOUT_S,
+    SyncWatch,
+    WatchedBroadcastReceiver,
+    WatchedBroadcastSender,
+    WatchedDeadline,
+    WatchedP2PWire,
+    WatchedWire,
+)
 from rlfleet.weightsync._transforms import (
     LLAMA_STACKED_PARAMS,
     Cast,
@@ -150,6 +159,7 @@ __all__ = [
     "DTYPES",
     "LLAMA_STACKED_PARAMS",
     "WEIGHT_BUFFER_STRATEGIES",
+    "WIRE_TIMEOUT_S",
     "Assembly",
     "AssemblyPart",
     "BroadcastReceiver",
@@ -209,6 +219,7 @@ __all__ = [
     "SyncAbortedError",
     "SyncStats",
     "SyncTimeoutError",
+    "SyncWatch",
     "TensorSpec",
     "TensorTarget",
     "TorchP2PWire",
@@ -218,6 +229,11 @@ __all__ = [
     "UnsafeSegmentError",
     "VersionError",
     "Watchdog",
+    "WatchedBroadcastReceiver",
+    "WatchedBroadcastSender",
+    "WatchedDeadline",
+    "WatchedP2PWire",
+    "WatchedWire",
     "WeightBufferStrategy",
     "WeightEndpoint",
     "WeightStream",
