@@ -100,9 +100,11 @@ def _consumer(live: Mapping[str, Any], layout: Any, atomic: bool) -> Any:
     return DirectBuffer(live, layout, max_staging_bytes=None if atomic else 0)
 
 
-def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any, body: Callable[..., Any] | None = None
+) -> None:
     try:
-        queue.put((rank, "ok", _run(rank, world, port, cfg)))
+        queue.put((rank, "ok", (body or _run)(rank, world, port, cfg)))
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     queue.close()
@@ -275,14 +277,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_processes(cfg: dict[str, Any], world: int, timeout: float) -> dict[int, dict[str, Any]]:
+def run_processes(
+    cfg: dict[str, Any], world: int, timeout: float, body: Callable[..., Any] | None = None
+) -> dict[int, dict[str, Any]]:
+    """`body(rank, world, port, cfg)` (default: this part's `_run`) in `world` spawned processes;
+    their results by rank."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, cfg, queue), daemon=True) for r in range(world)
+        ctx.Process(target=_worker, args=(r, world, port, cfg, queue, body), daemon=True)
+        for r in range(world)
     ]
     for p in procs:
         p.start()

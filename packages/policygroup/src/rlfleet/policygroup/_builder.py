@@ -17,6 +17,13 @@ from rlfleet.policygroup._comm import ray_nodes
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup._group import PolicyGroup
+from rlfleet.policygroup._placement_group import (
+    adopt_placement_group,
+    check_actor_nodes,
+    check_bundle_nodes,
+    pinned,
+    worker_resources,
+)
 from rlfleet.policygroup._worker import BasePolicy, PolicyRole
 
 
@@ -71,15 +78,18 @@ def plan_placement(
 
 
 def _reserve(placement: Placement, timeout_s: float) -> Any:
-    """A Ray placement group of the plan's bundles, ready (or removed and an error)."""
-    pg = ray.util.placement_group(placement.ray_bundles(), strategy=placement.strategy or "PACK")
+    """A Ray placement group of the plan's bundles, each pinned to its planned node, ready (or
+    removed and an error)."""
+    pg = ray.util.placement_group(
+        placement.ray_bundles(),
+        strategy=placement.strategy or "PACK",
+        bundle_label_selector=pinned(placement),
+    )
     try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
+        check_bundle_nodes(pg, placement, timeout_s)  # ready, and every bundle where planned
+    except BaseException:
         ray.util.remove_placement_group(pg)
-        raise PolicyGroupError(
-            f"placement group {placement.ray_bundles()} not ready within {timeout_s:.0f}s"
-        ) from None
+        raise
     return pg
 
 
@@ -98,19 +108,33 @@ def _start_actors(
     ):
         train = w.role == "train"
         cpus = config.train_num_cpus if train else config.eval_num_cpus
+        gpus = config.train_num_gpus if train else config.eval_num_gpus
         strategy: Any = NodeAffinitySchedulingStrategy(node_id=w.node, soft=False)
-        if pg is not None:
+        if pg is not None:  # a share of its bundle: all of a multi-GPU bundle's GPUs when alone
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w.bundle_index or 0)
-            cpus = min(max(cpus, 0.0), placement.bundles[w.bundle_index or 0].cpu / 2)
+            cpus, gpus = worker_resources(placement, w, cpus)
         actor = remote_cls.options(
             num_cpus=cpus,
-            num_gpus=config.train_num_gpus if train else config.eval_num_gpus,
+            num_gpus=gpus,
             max_concurrency=config.max_concurrency,
             scheduling_strategy=strategy,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
         ).remote(config=config, role=PolicyRole(w.role), index=len(actors[w.role]), **kwargs)
         actors[w.role].append(actor)
     return actors
+
+
+def _wait_started(actors: dict[str, list[Any]], placement: Placement, pg: Any, timeout_s: float) -> None:
+    """Every actor answers within `timeout_s`; in a placement group, each on its bundle's node."""
+    everyone = actors["train"] + actors["eval"]
+    ready, pending = ray.wait(
+        [a.is_alive.remote() for a in everyone], num_returns=len(everyone), timeout=timeout_s
+    )
+    if pending:
+        raise PolicyGroupError(f"{len(pending)} policy actor(s) did not start within {timeout_s:.0f}s")
+    ray.get(ready, timeout=30)
+    if pg is not None:
+        check_actor_nodes(actors, placement, timeout_s)
 
 
 def build_policy_group(
@@ -128,27 +152,46 @@ def build_policy_group(
     train_config: TrainConfig | None = None,
     init: bool = True,
     ready_timeout_s: float = 300.0,
+    placement_group: Any = None,
+    bundle_indices: Sequence[int] | None = None,
 ) -> PolicyGroup:
     """Create `num_train` + `num_eval` actors of `policy_cls` as planned, and connect them.
 
     `scheduling`: "node_affinity" pins each actor to its planned Ray node; "placement_group"
-    reserves the plan's bundles in a Ray placement group first. With `init`, runs the seed's
-    order: init (eval, train) -> init_placement_info -> init_weight_buffer -> init_comm_group.
+    reserves the plan's bundles in a Ray placement group first and fails if Ray put a bundle
+    on another node than planned. `placement_group`: a ready (or pending) Ray placement group
+    the caller made and keeps; worker k (trainers first) runs in bundle ``bundle_indices[k]``
+    (`_placement_group`: multi-GPU bundles, defaults). With `init`, runs the seed's order:
+    init (eval, train) -> init_placement_info -> init_weight_buffer -> init_comm_group.
     """
     if not ray.is_initialized():
         raise PolicyGroupError("build_policy_group needs ray.init() (or a cluster address) first")
     if scheduling not in ("node_affinity", "placement_group"):
         raise ValueError(f"scheduling must be 'node_affinity' or 'placement_group', got {scheduling!r}")
-    placement = plan_placement(
-        num_train,
-        num_eval,
-        config,
-        colocated=colocated,
-        nodes=nodes,
-        slots_per_node=slots_per_node,
-        mode=mode,
-    )
-    pg = _reserve(placement, ready_timeout_s) if scheduling == "placement_group" else None
+    if placement_group is not None:
+        placement = adopt_placement_group(
+            placement_group,
+            bundle_indices,
+            num_train,
+            num_eval,
+            colocated=colocated,
+            timeout_s=ready_timeout_s,
+        )
+        pg, owned = placement_group, []  # the caller's: never removed here
+    elif bundle_indices is not None:
+        raise ValueError("bundle_indices names bundles of a placement_group: pass the group too")
+    else:
+        placement = plan_placement(
+            num_train,
+            num_eval,
+            config,
+            colocated=colocated,
+            nodes=nodes,
+            slots_per_node=slots_per_node,
+            mode=mode,
+        )
+        pg = _reserve(placement, ready_timeout_s) if scheduling == "placement_group" else None
+        owned = [] if pg is None else [pg]
     actors = _start_actors(policy_cls, placement, pg, config, dict(policy_kwargs or {}))
     everyone = actors["train"] + actors["eval"]
     group = PolicyGroup(
@@ -157,17 +200,10 @@ def build_policy_group(
         config,
         placement=placement,
         owned_actors=everyone,
-        placement_groups=[] if pg is None else [pg],
+        placement_groups=owned,
     )
     try:
-        ready, pending = ray.wait(
-            [a.is_alive.remote() for a in everyone], num_returns=len(everyone), timeout=ready_timeout_s
-        )
-        if pending:
-            raise PolicyGroupError(
-                f"{len(pending)} policy actor(s) did not start within {ready_timeout_s:.0f}s"
-            )
-        ray.get(ready, timeout=30)
+        _wait_started(actors, placement, pg, ready_timeout_s)
         if init:
             group.init(train_config if train_config is not None else TrainConfig())
             group.init_placement_info(is_colocated=colocated)

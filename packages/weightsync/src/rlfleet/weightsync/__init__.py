@@ -16,8 +16,9 @@ sorted by module, so this list is the map):
 - reshard: shard-to-shard moves between training and generation layouts;
 - receive strategies: one endpoint per strategy (`create_endpoint`), `WorkerWeights`, the
   strategy names, and their adapter consumers (`DeferredCommit`, `DiscardingConsumer`);
-- engines: `LoadWeightsConsumer` (vLLM/SGLang `load_weights`), weight transforms, `feed` (a
-  stream of (name, tensor) into any consumer), `full_tensors` (FSDP2, one parameter at a time);
+- engines and streams: `LoadWeightsConsumer` (vLLM/SGLang `load_weights`), weight transforms,
+  `feed` (a stream of (name, tensor) into any consumer), `full_tensors` (FSDP2, one parameter
+  at a time), `WeightStream` (what every sender takes next to a state dict);
 - deadlines and watchdogs; integrity checks; offload; cost probes (`measure_copy_terms`); errors.
 """
 
@@ -128,6 +129,7 @@ from rlfleet.weightsync._shm import (
 )
 from rlfleet.weightsync._shm_ring import ShmRingReceiver, ShmRingSender
 from rlfleet.weightsync._strategy import WEIGHT_BUFFER_STRATEGIES, WeightBufferStrategy, check_strategy
+from rlfleet.weightsync._stream import WeightStream
 from rlfleet.weightsync._sync_watch import (
     WIRE_TIMEOUT_S,
     SyncWatch,
@@ -239,6 +241,7 @@ __all__ = [
     "WatchedWire",
     "WeightBufferStrategy",
     "WeightEndpoint",
+    "WeightStream",
     "WeightSyncError",
     "WeightTransform",
     "WorkerWeights",

@@ -21,13 +21,13 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._deadline import Deadline, caller_deadline
 from rlfleet.weightsync._dtypes import dtype_name
 from rlfleet.weightsync._errors import IncompleteSyncError, LayoutMismatchError
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import typed_view
 from rlfleet.weightsync._protocol import BucketConsumer
-from rlfleet.weightsync._wire import BucketTarget
+from rlfleet.weightsync._wire_base import BucketTarget
 
 __all__ = ["feed", "full_tensors", "layout_entries"]
 
@@ -134,6 +134,13 @@ def feed(
     parameter. Returns the version committed.
     """
     deadline = Deadline.coerce(deadline)
+    with caller_deadline(deadline):  # a consumer's begin waits under this sync's deadline
+        return _feed(consumer, weights, version, deadline)
+
+
+def _feed(
+    consumer: BucketConsumer, weights: Iterable[tuple[str, torch.Tensor]], version: int, deadline: Deadline
+) -> int:
     layout = consumer.layout
     consumer.begin(version)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -21,6 +21,7 @@ from rlfleet.weightsync._ipc_slots import CudaSlots, HostSlots
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import pack_bucket
 from rlfleet.weightsync._shm import memory_fence
+from rlfleet.weightsync._stream import Source, StreamCursor, Weights, drain_on_error, fill_bucket, open_source
 
 __all__ = ["DETACH_WAIT_S", "CudaIpcSender"]
 
@@ -37,9 +38,11 @@ _log = logging.getLogger(__name__)
 class CudaIpcSender:
     """Writer of one IPC channel to `num_readers` same-node readers.
 
-    ``send(state_dict, version, deadline)`` returns once every reader committed, or raises
-    (and no reader applies anything). Readers join with ``CudaIpcReceiver.attach(sender.name,
-    index)``; the slots and handles are made once, here.
+    ``send(weights, version, deadline)`` returns once every reader committed, or raises (and
+    no reader applies anything); `weights` is a state dict or a `WeightStream` (pairs in the
+    layout's order, each copied into its slot as it comes; drained after a failure). Readers
+    join with ``CudaIpcReceiver.attach(sender.name, index)``; the slots and handles are made
+    once, here.
     """
 
     def __init__(
@@ -132,18 +135,24 @@ class CudaIpcSender:
 
     def send(
         self,
-        state_dict: Mapping[str, torch.Tensor],
+        weights: Weights,
         version: int,
         deadline: Deadline | float | None = DEFAULT_SEND_DEADLINE_S,
     ) -> int:
         """Send `version`; returns the bytes moved once every reader committed it."""
         deadline = Deadline.coerce(deadline)
+        source = open_source(weights, self.layout)
+        with drain_on_error(source, deadline):
+            return self._send(source, version, deadline)
+
+    def _send(self, source: Source, version: int, deadline: Deadline) -> int:
         cb = self._cb
         if self._segment.closed or cb.get(ipc.G_CLOSED):
             raise WeightSyncError(f"IPC channel {self.name} is closed")
         if isinstance(version, bool) or not isinstance(version, int) or not -(1 << 63) <= version < 1 << 63:
             raise ValueError(f"version must be an int64, got {version!r}")
-        self.layout.check_state_dict(state_dict)
+        if not isinstance(source, StreamCursor):  # a stream is checked as it is read
+            self.layout.check_state_dict(source)
         self.wait_attached(deadline)
         self._check_readers("starting a version", force=True)
         session = self._session + 1
@@ -167,7 +176,7 @@ class CudaIpcSender:
             cb.set(ipc.G_CHECKSUMS, int(self.checksums))
             memory_fence()
             cb.set(ipc.G_READY, session)  # the header: readers take the session from here
-            total = self._send_buckets(state_dict, version, session, base, deadline)
+            total = self._send_buckets(source, version, session, base, deadline)
             self._vote(version, session, deadline)
         except BaseException:
             if cb.get(ipc.G_COMMIT) != session:
@@ -177,7 +186,7 @@ class CudaIpcSender:
 
     def _send_buckets(
         self,
-        state_dict: Mapping[str, torch.Tensor],
+        source: Source,
         version: int,
         session: int,
         base: int,
@@ -197,7 +206,7 @@ class CudaIpcSender:
                 )
                 if self._failed(session):
                     break  # a reader gave up: stop, and abort the others in `_vote`
-                data = pack_bucket(self.layout, k, state_dict, self._slots.tensors[j])
+                data = self._pack(source, k, self._slots.tensors[j])
                 if self.checksums:
                     cb.set(cb.slot(j, ipc.S_CRC), bucket_checksum(data))
                 self._slots.sync()  # the bytes are in the slot before the sequence number says so
@@ -208,6 +217,15 @@ class CudaIpcSender:
                 cb.set(cb.slot(j, ipc.S_SEQ), base + k + 1)
                 total += data.numel()
         return total
+
+    def _pack(self, source: Source, k: int, slot: torch.Tensor) -> torch.Tensor:
+        """Bucket `k` written into `slot` (on the current stream of its device); its bytes there."""
+        if not isinstance(source, StreamCursor):
+            return pack_bucket(self.layout, k, source, slot)
+        fill_bucket(source, k, slot)
+        if k == len(self.layout.buckets) - 1:
+            source.finish()  # nothing may follow the last tensor
+        return slot[: self.layout.buckets[k].nbytes]
 
     def _vote(self, version: int, session: int, deadline: Deadline) -> None:
         """Two-phase commit: commit only if every reader prepared; wait until all committed."""

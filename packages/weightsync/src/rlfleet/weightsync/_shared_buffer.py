@@ -37,6 +37,7 @@ from rlfleet.weightsync._control_block import INT64_MAX, require_int_in
 from rlfleet.weightsync._copy import copy_tensors
 from rlfleet.weightsync._deadline import Backoff, Deadline, current_deadline, deadline_or
 from rlfleet.weightsync._errors import VersionError, WeightSyncError
+from rlfleet.weightsync._feed import feed
 from rlfleet.weightsync._integrity import bucket_checksum
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import flat_views
@@ -61,6 +62,7 @@ from rlfleet.weightsync._shared_format import (
 )
 from rlfleet.weightsync._shared_reader import SharedBufferReader
 from rlfleet.weightsync._shm import SharedSegment, cleanup_stale_segments, memory_fence
+from rlfleet.weightsync._stream import StreamCursor, Weights, drain_on_error, open_source
 
 __all__ = ["SharedBuffer", "SharedBufferReader"]
 
@@ -192,8 +194,17 @@ class SharedBuffer(BufferBase):
         start = self._starts[index]
         return self._slots[self._writing][start : start + self._layout.buckets[index].nbytes]
 
+    def bucket_target(self, index: int) -> torch.Tensor | None:
+        """Bucket `index`'s bytes in the slot being written (a transport or `feed` lands there)."""
+        with self._state_lock:
+            if self._writing is None or self._pending is None or not 0 <= index < len(self._layout.buckets):
+                return None
+            return self._slot_region(index)
+
     def _stage(self, index: int, data: torch.Tensor) -> None:
-        self._slot_region(index).copy_(data)
+        region = self._slot_region(index)
+        if not (region.device == data.device and region.data_ptr() == data.data_ptr()):
+            region.copy_(data)  # else the bytes were written in place
 
     def _prepare(self, version: int, deadline: Deadline) -> None:
         self._seal(version)
@@ -229,17 +240,25 @@ class SharedBuffer(BufferBase):
     # -- direct path ------------------------------------------------------------------------
     def publish(
         self,
-        state_dict: Mapping[str, torch.Tensor],
+        weights: Weights,
         version: int,
         deadline: Deadline | float | None = None,
         threads: int | None = None,
     ) -> None:
-        """Pack `state_dict` straight into a free slot and commit it as `version` (one copy).
+        """Pack `weights` straight into a free slot and commit it as `version` (one copy).
 
-        `deadline` (default ``timeout_s``) bounds the wait for a free slot. The copy is shared
-        among `threads` threads (default: this process's CPUs, at most 8).
+        `weights` is a state dict or a `WeightStream` (pairs in the layout's order, each copied
+        into the slot as it comes: `feed`; drained after a failure). `deadline` (default
+        ``timeout_s``) bounds the wait for a free slot. A state dict's copy is shared among
+        `threads` threads (default: this process's CPUs, at most 8).
         """
         deadline = deadline_or(deadline if deadline is not None else self.timeout_s, DEFAULT_TIMEOUT_S)
+        source = open_source(weights, self._layout)
+        if isinstance(source, StreamCursor):
+            with drain_on_error(source, deadline):
+                feed(self, source.ordered(), version, deadline)
+            return
+        state_dict = source
         self._layout.check_state_dict(state_dict)
         self.begin(version, deadline)
         try:

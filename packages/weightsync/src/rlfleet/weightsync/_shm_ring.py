@@ -22,7 +22,6 @@ The control words are a `ControlBlock` of shape `RING` (`_control_block`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
 import torch
 
@@ -68,6 +67,7 @@ from rlfleet.weightsync._ring_format import (
 )
 from rlfleet.weightsync._ring_receiver import ShmRingReceiver
 from rlfleet.weightsync._shm import PAGE, SharedSegment, memory_fence, page_align
+from rlfleet.weightsync._stream import Source, StreamCursor, Weights, drain_on_error, fill_bucket, open_source
 
 __all__ = ["ShmRingReceiver", "ShmRingSender"]
 
@@ -147,6 +147,9 @@ class ShmRingSender:
             if self._ring.get(self._ring.reader(i, R_DONE)) == session:
                 continue
             if not self._ring.reader_alive(i):
+                memory_fence()  # a reader marks the session done, then leaves: look again
+                if self._ring.get(self._ring.reader(i, R_DONE)) == session:
+                    continue
                 pid = self._ring.get(self._ring.reader(i, R_PID))
                 if not self.drop_dead_readers:
                     raise PeerLostError(f"ring {self.name}: reader {i} (pid {pid}) died or left while {what}")
@@ -182,24 +185,34 @@ class ShmRingSender:
 
     def send(
         self,
-        state_dict: Mapping[str, torch.Tensor],
+        weights: Weights,
         version: int,
         deadline: Deadline | float | None = None,
         wait_for_readers: bool = True,
     ) -> dict[int, str]:
-        """Send `state_dict` as `version` to every attached reader, within `deadline` (seconds or a
+        """Send `weights` as `version` to every attached reader, within `deadline` (seconds or a
         `Deadline`; None: the default 60 s).
 
-        Returns each reader's outcome (``"committed"``, ``"failed"`` or ``"dropped"``) when
-        `wait_for_readers`; else returns once everything is published (the next `send` waits
-        for slots as needed). Any error aborts the session for every reader.
+        `weights` is a state dict or a `WeightStream` (pairs in the layout's order, each packed
+        straight into its slot; drained after a failure). Returns each reader's outcome
+        (``"committed"``, ``"failed"`` or ``"dropped"``) when `wait_for_readers`; else returns
+        once everything is published (the next `send` waits for slots as needed). Any error
+        aborts the session for every reader.
         """
         deadline = deadline_or(deadline, DEFAULT_TIMEOUT_S)
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= INT64_MAX:
-            raise ValueError(f"version must be an int in [0, 2**63 - 1], got {version!r}")
-        if self._ring.get(G_CLOSED):
-            raise WeightSyncError(f"ring {self.name} is closed")
-        self.layout.check_state_dict(state_dict)
+        source = open_source(weights, self.layout)
+        with drain_on_error(source, deadline):
+            if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= INT64_MAX:
+                raise ValueError(f"version must be an int in [0, 2**63 - 1], got {version!r}")
+            if self._ring.get(G_CLOSED):
+                raise WeightSyncError(f"ring {self.name} is closed")
+            if not isinstance(source, StreamCursor):
+                self.layout.check_state_dict(source)
+            return self._send(source, version, deadline, wait_for_readers)
+
+    def _send(
+        self, source: Source, version: int, deadline: Deadline, wait_for_readers: bool
+    ) -> dict[int, str]:
         members = self._wait_attached(deadline)
         ring = self._ring
         session = self._session + 1
@@ -223,7 +236,7 @@ class ShmRingSender:
                 j = k % self.num_slots
                 previous = ring.get(ring.slot(j, S_SEQ))
                 self._wait_slot_free(j, previous, members, floor, session, deadline)
-                data = pack_bucket(self.layout, k, state_dict, self._slots[j])
+                data = self._pack(source, k, j, last=k == nbuckets - 1)
                 ring.set(ring.slot(j, S_BUCKET), k)
                 ring.set(ring.slot(j, S_NBYTES), data.numel())
                 if self.checksums:
@@ -239,6 +252,15 @@ class ShmRingSender:
         finally:
             self._previous = {i: identity[i] for i in members}
         return outcomes
+
+    def _pack(self, source: Source, k: int, j: int, last: bool) -> torch.Tensor:
+        """Bucket `k` written into slot `j`; returns its bytes there."""
+        if not isinstance(source, StreamCursor):
+            return pack_bucket(self.layout, k, source, self._slots[j])
+        fill_bucket(source, k, self._slots[j])
+        if last:
+            source.finish()  # nothing may follow the last tensor
+        return self._slots[j][: self.layout.buckets[k].nbytes]
 
     def _reader_identity(self, i: int) -> tuple[int, int, int]:
         ring = self._ring

@@ -2,8 +2,12 @@
 
 The sender packs bucket ``k+1`` while bucket ``k`` is on the wire (two bucket buffers); tensors
 of at least ``direct_min`` bytes travel straight from their own storage, and a state dict that
-lies in one adopted block (`flat_block`) is sent as it lies. A failure while packing is sent in
-the next control word, so receivers stop after the same collective and the group stays usable.
+lies in one adopted block (`flat_block`) is sent as it lies. A `WeightStream` (`_stream`) is
+pulled bucket by bucket (`StreamedBuckets`): a large tensor goes on the wire from its own storage,
+small ones are copied into a buffer of the bucket's packed bytes, and a bucket is dropped once it
+is on the wire, so the sender holds two buckets and the tensor in hand, never the model. A
+failure while packing (a stream that breaks the layout's order included) is sent in the next
+control word, so receivers stop after the same collective and the group stays usable.
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ from rlfleet.weightsync._frames import (
 )
 from rlfleet.weightsync._layout import Layout
 from rlfleet.weightsync._packing import bucket_starts
+from rlfleet.weightsync._stream import (
+    Source,
+    StreamCursor,
+    StreamedBuckets,
+    Weights,
+    drain_on_error,
+    open_source,
+)
 from rlfleet.weightsync._wire_base import BroadcastSession, SyncStats, Wire, crc_of, rank_label
 
 __all__ = ["ProtocolSender"]
@@ -69,6 +81,7 @@ class ProtocolSender(BroadcastSession):
         self._view_cache: dict[tuple[int, int], tuple[int, dict[str, torch.Tensor]]] = {}
         self._layout_json: bytes | None = None
         self._starts = bucket_starts(layout)
+        self._streamed = StreamedBuckets(layout, self._segments, wire.device)
 
     def _views(self, slot: int, k: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of bucket `k`'s tensors inside bucket buffer `slot` (cached per buffer)."""
@@ -94,38 +107,43 @@ class ProtocolSender(BroadcastSession):
 
     def send(
         self,
-        state_dict: Mapping[str, torch.Tensor],
+        weights: Weights,
         version: int,
         deadline: Deadline | float | None = DEFAULT_SYNC_TIMEOUT_S,
         *,
         buckets: Sequence[int] | None = None,
     ) -> SyncStats:
-        """Broadcast `state_dict` as `version`; returns only once every receiver committed it.
+        """Broadcast `weights` as `version`; returns only once every receiver committed it.
 
-        `buckets` sends only those bucket indices (a share of several senders; None: all).
-        `version` is checked first (an int in [0, 2**63)): a bad one is refused before anything
-        is sent, and the group stays usable.
+        `weights` is a state dict or a `WeightStream` (any iterable of ``(name, tensor)`` pairs
+        in the layout's order: the tensors of `buckets` only, for a share); a stream is drained
+        after a failure (`_stream`). `buckets` sends only those bucket indices (a share of
+        several senders; None: all). `version` is checked first (an int in [0, 2**63)): a bad
+        one is refused before anything is sent, and the group stays usable.
         """
-        version = check_version(version)
-        share = check_share(buckets, len(self.layout.buckets))
         deadline = Deadline.coerce(deadline)
-        start = time.perf_counter()
-        return self.guarded(lambda: self._send(state_dict, version, share, deadline, start))
+        share = check_share(buckets, len(self.layout.buckets))
+        source = open_source(weights, self.layout, share)
+        with drain_on_error(source, deadline):
+            version = check_version(version)
+            start = time.perf_counter()
+            return self.guarded(lambda: self._send(source, version, share, deadline, start))
 
     def _send(
         self,
-        state_dict: Mapping[str, torch.Tensor],
+        source: Source,
         version: int,
         share: tuple[int, ...] | None,
         deadline: Deadline,
         start: float,
     ) -> SyncStats:
         wire, layout = self.wire, self.layout
-        try:
-            layout.check_state_dict(state_dict, buckets=share)
-            problem: WeightSyncError | None = None
-        except WeightSyncError as exc:
-            problem = exc
+        problem: WeightSyncError | None = None
+        if not isinstance(source, StreamCursor):  # a stream is checked as it is read
+            try:
+                layout.check_state_dict(source, buckets=share)
+            except WeightSyncError as exc:
+                problem = exc
         header = Header(
             version=version,
             digest=layout.digest,
@@ -146,7 +164,7 @@ class ProtocolSender(BroadcastSession):
         if any(codes):
             self._refused(version, codes, deadline)
         indices = list(range(len(layout.buckets))) if share is None else list(share)
-        total = self._send_buckets(state_dict, indices, deadline)
+        total = self._send_buckets(source, indices, deadline)
         codes = self._status_round(Status.OK, deadline, "sync commit")
         self.in_step()
         if any(codes):
@@ -168,22 +186,24 @@ class ProtocolSender(BroadcastSession):
             raise VersionError(message)
         raise SyncAbortedError(message)
 
-    def _send_buckets(
-        self, state_dict: Mapping[str, torch.Tensor], indices: list[int], deadline: Deadline
-    ) -> int:
-        wire, layout = self.wire, self.layout
+    def _send_buckets(self, source: Source, indices: list[int], deadline: Deadline) -> int:
+        wire = self.wire
         in_flight: deque[tuple[Pending, str, int]] = deque()
         slot_ops: list[list[Pending]] = [[], []]
         total = 0
-        block = flat_block(layout, state_dict)  # the model in one block: every run sent as it lies
+        block = None if isinstance(source, StreamCursor) else flat_block(self.layout, source)
         if block is not None and block.device != wire.device:
-            block = None
+            block = None  # else the model lies in one block: every run is sent as it lies
+
+        held: dict[int, list[torch.Tensor]] = {}  # a stream's buckets, alive until on the wire
 
         def drain(upto: int) -> None:
             """Wait for every op of buckets up to position `upto` (older buckets finish first)."""
             while in_flight and in_flight[0][2] <= upto:
                 op, what, _ = in_flight.popleft()
                 op.wait(deadline, what)
+            for done in [p for p in held if p <= upto]:
+                del held[done]
 
         with torch.no_grad():
             for position, k in enumerate(indices):
@@ -194,8 +214,13 @@ class ProtocolSender(BroadcastSession):
                     if block is not None:
                         base = self._starts[k]
                         sources, packed = [block[base + g.start : base + g.end] for g in segments], False
+                    elif isinstance(source, StreamCursor):
+                        sources, packed = self._streamed.pull(source, k), False
+                        held[position] = sources
+                        if position == len(indices) - 1:
+                            source.finish()  # nothing may follow the last tensor
                     else:
-                        sources, packed = self._pack(state_dict, k, segments, slot, slot_ops, deadline)
+                        sources, packed = self._pack(source, k, segments, slot, slot_ops, deadline)
                     crc = crc_of(sources) if self.checksums else None
                 except (PeerLostError, SyncTimeoutError):
                     raise  # a wait on the wire failed: the group is mid-collective
@@ -239,9 +264,7 @@ class ProtocolSender(BroadcastSession):
                     sources.append(own)
                     continue
             if buffer is None:
-                for op in slot_ops[slot]:  # the bucket that last used this buffer must be on the wire
-                    op.wait(deadline, f"bucket buffer {slot} reuse")
-                slot_ops[slot] = []
+                self._free_buffer(slot, slot_ops, deadline)
                 buffer = self._buffer(slot, self.layout.buckets[k].nbytes)
             views = self._views(slot, k, buffer)
             copy_pairs(
@@ -249,6 +272,12 @@ class ProtocolSender(BroadcastSession):
             )
             sources.append(buffer[seg.start : seg.end])
         return sources, buffer is not None
+
+    def _free_buffer(self, slot: int, slot_ops: list[list[Pending]], deadline: Deadline) -> None:
+        """Wait until the bucket that last used buffer `slot` is on the wire."""
+        for op in slot_ops[slot]:
+            op.wait(deadline, f"bucket buffer {slot} reuse")
+        slot_ops[slot] = []
 
     def _abort_at(
         self, k: int, error: BaseException, in_flight: deque[tuple[Pending, str, int]], deadline: Deadline
