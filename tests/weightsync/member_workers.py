@@ -22,9 +22,9 @@ from rlfleet.weightsync import (
     DirectBuffer,
     DoubleBuffer,
     MemberGroup,
-    check_in,
     checksum,
     host_store,
+    join_generation,
 )
 
 DEADLINE = 30.0
@@ -51,9 +51,9 @@ def finish(store: dist.TCPStore, rank: int, ranks: Sequence[int]) -> None:
     Two rounds: having seen every "done", the others say "bye" and go; the host waits for
     every "bye", so nobody still polls the store when it closes.
     """
-    check_in(store, "test/done", rank, ranks, 60.0, "end of test")
+    join_generation(store, "test/done", rank, ranks, 60.0, "end of test")
     if rank == 0:
-        check_in(store, "test/bye", rank, ranks, 60.0, "end of test")
+        store.wait([f"test/bye/{r}" for r in ranks if r != rank], timedelta(seconds=60))
     else:
         store.set(f"test/bye/{rank}", "1")
 

@@ -35,7 +35,9 @@ def _seconds(value: object, what: str) -> float:
 
 @dataclass(frozen=True)
 class StepReport:
-    """One executed step: its measured time and phases, beside the plan's prediction for it."""
+    """One executed step: its measured time and phases, beside the plan's prediction for it.
+
+    `index` is the step's index in the plan it ran (`SyncPlan.steps`)."""
 
     index: int
     measured_seconds: float

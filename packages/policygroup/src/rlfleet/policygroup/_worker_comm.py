@@ -32,9 +32,9 @@ from rlfleet.weightsync import (
     MemberGroup,
     RendezvousTimeoutError,
     SyncTimeoutError,
-    check_in,
     connect_store,
     host_store,
+    join_generation,
     new_group_bounded,
 )
 
@@ -108,7 +108,7 @@ class WorkerComm:
         self._prefix = f"rlfleet/{epoch}"
         try:
             joined = f"{self._prefix}/world/joined"
-            check_in(self.store, joined, rank, range(world_size), Deadline(timeout_s), "init_distributed_env")
+            join_generation(self.store, joined, rank, range(world_size), timeout_s, "init_distributed_env")
         except RendezvousTimeoutError as exc:
             raise CommGroupError(f"{exc} (seen from rank {rank})", tuple(exc.missing)) from exc
         pg_store = _c10d.PrefixStore(f"{self._prefix}/pg", self.store)

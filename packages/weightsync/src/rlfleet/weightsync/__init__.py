@@ -96,7 +96,6 @@ from rlfleet.weightsync._protocol import BucketConsumer
 from rlfleet.weightsync._recording import RecordingConsumer
 from rlfleet.weightsync._rendezvous import (
     Roster,
-    check_in,
     connect_store,
     host_store,
     init_process_group_bounded,
@@ -255,7 +254,6 @@ __all__ = [
     "bucket_starts",
     "bucket_views",
     "caller_deadline",
-    "check_in",
     "check_strategy",
     "checksum",
     "cleanup_stale_segments",

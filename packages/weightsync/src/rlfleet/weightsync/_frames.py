@@ -84,6 +84,7 @@ class Header:
     """First message of a sync: what is coming, or why nothing is."""
 
     version: int
+    #: The sender's layout digest: a receiver whose layout differs refuses the sync at once.
     digest: str
     buckets: int
     checksums: bool = False

@@ -46,7 +46,6 @@ __all__ = [
     "RendezvousTimeoutError",
     "Roster",
     "build_group",
-    "check_in",
     "connect_store",
     "generation_store",
     "host_store",
@@ -146,26 +145,6 @@ def connect_store(
             f"rank {host_rank}, which hosts it, did not join ({exc})",
             [host_rank],
         ) from exc
-
-
-def check_in(
-    store: Store,
-    prefix: str,
-    rank: int,
-    ranks: Sequence[int],
-    deadline: Deadline | float | None,
-    what: str = "rendezvous",
-) -> None:
-    """Announce `rank` under `prefix` and wait until every rank in `ranks` has announced itself.
-
-    At the deadline, raise RendezvousTimeoutError naming the ranks that never checked in. The
-    keys are fixed per prefix, so a key left by an earlier check-in counts: use a prefix once
-    per store, or `join_generation` where a prefix may be joined again.
-    """
-    waiting = _Waiting(store, rank, Deadline.coerce(deadline), what)
-    with waiting.store_errors():
-        store.set(f"{prefix}/{rank}", "1")
-        waiting.until_present(lambda r: f"{prefix}/{r}", [r for r in ranks if r != rank], "did not join")
 
 
 class _Waiting:
