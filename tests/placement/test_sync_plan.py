@@ -283,3 +283,26 @@ def test_drawing_groups_processes_by_node(tmp_path: Path) -> None:
     assert "not run" in dot
     png = plan.draw(tmp_path / "plan.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nodes_of_one_machine_share_its_nics() -> None:
+    """Two trainers on two raylets of one machine do not send twice as fast as one: they share
+    its network interfaces (a local multi-raylet cluster); on two machines they do."""
+
+    def on(machines: dict[str, str], trainers: int) -> SyncPlan:
+        procs = [
+            dataclasses.replace(p, machine=machines.get(p.node)) for p in cluster(trainers) if p.node != "n0" or p.role == "trainer"
+        ]
+        return plan_sync(procs, BUCKETS, "Double", fanout="direct")
+
+    apart = {"n0": "m0", "nt1": "m1", "n1": "m2", "n2": "m3"}
+    shared = {"n0": "m0", "nt1": "m0", "n1": "m2", "n2": "m3"}
+    assert on(apart, 2).predicted_seconds < 0.7 * on(apart, 1).predicted_seconds
+    assert on(shared, 2).predicted_seconds == pytest.approx(on(shared, 1).predicted_seconds, rel=0.05)
+    # receivers on one machine: its NICs take every copy, so the bound grows with them
+    one_box = dict.fromkeys(("n0", "nt1", "n1", "n2"), "m0")
+    assert on(one_box, 1).lower_bound_seconds > on(apart, 1).lower_bound_seconds
+    plan = on(shared, 2)
+    assert SyncPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan  # the machine survives JSON
+    with pytest.raises(SyncPlanError, match="machine"):
+        SyncProcess("t0", "trainer", "n0", machine="")

@@ -47,6 +47,11 @@ class PlanContext:
     strategy: str
     cost: CostModel
     modes: Mapping[str, str] = field(default_factory=dict)  # node -> "bind" | "copy"
+    #: Node -> the machine whose NICs its traffic crosses (the node itself unless shared).
+    host_of: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host_of = {p.node: p.host for p in self.procs.values()}
 
     @classmethod
     def of(cls, plan: SyncPlan, cost: CostModel | None = None) -> PlanContext:
@@ -100,8 +105,9 @@ def _resources(ctx: PlanContext, step: SyncStep) -> list[tuple[tuple[str, str], 
     if remote:
         links = ctx.cost.nics_per_node if src.gpu and step.transport != "object_store" else 1
         peers = {node: 1 if once else count for node, count in remote.items()}
-        out.append((("egress", src.node), nbytes * (1 if once else sum(peers.values())), "inter", links))
-        out.extend((("ingress", node), nbytes * c, "inter", links) for node, c in peers.items())
+        out.append((("egress", src.host), nbytes * (1 if once else sum(peers.values())), "inter", links))
+        hosts = {node: ctx.host_of[node] for node in peers}  # nodes of one machine share its NICs
+        out.extend((("ingress", hosts[node]), nbytes * c, "inter", links) for node, c in peers.items())
     return out
 
 
@@ -227,6 +233,7 @@ def lower_bound(ctx: PlanContext) -> float:
         if p.role == "rollout":
             by_node.setdefault(p.node, []).append(p)
     bound, remote_need = 0.0, 0.0
+    ingress: dict[str, tuple[float, bool]] = {}  # machine -> (bytes its nodes take in, all GPU)
     for node, workers in by_node.items():
         gpu = all(w.gpu for w in workers)
         shards = {w.shard for w in workers}
@@ -237,11 +244,15 @@ def lower_bound(ctx: PlanContext) -> float:
                 bound = max(bound, per_proc / cost.intra_node_bytes_per_s)
         if node in trainer_nodes:
             continue
+        seen, all_gpu = ingress.get(ctx.host_of[node], (0.0, True))
+        ingress[ctx.host_of[node]] = (seen + need, all_gpu and gpu)
+        remote_need = max(remote_need, need)
+    for need, gpu in ingress.values():
         nics = cost.nics_per_node if gpu else 1
         bound = max(bound, need / (nics * cost.inter_node_bytes_per_s) + cost.latency_s)
-        remote_need = max(remote_need, need)
     if remote_need and trainer_nodes:
         trainer_gpu = all(p.gpu for p in ctx.procs.values() if p.role == "trainer")
-        egress = len(trainer_nodes) * (cost.nics_per_node if trainer_gpu else 1) * cost.inter_node_bytes_per_s
+        machines = {ctx.host_of[n] for n in trainer_nodes}
+        egress = len(machines) * (cost.nics_per_node if trainer_gpu else 1) * cost.inter_node_bytes_per_s
         bound = max(bound, remote_need / egress)
     return bound if math.isfinite(bound) else 0.0

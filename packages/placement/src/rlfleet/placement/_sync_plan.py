@@ -65,7 +65,9 @@ class SyncProcess:
     """A process taking part in a sync: a trainer (holds the full weights) or a rollout worker.
 
     ``device`` is "cpu" or a GPU name ("cuda:0"); ``shard`` is ``(index, count)`` for a Sharded
-    rollout worker that keeps ``1 / count`` of the weights.
+    rollout worker that keeps ``1 / count`` of the weights. ``machine`` names the physical host
+    when several nodes share one (several raylets on a machine, as in a local test cluster):
+    they share its network interfaces, so pricing counts their traffic on the same links.
     """
 
     id: str
@@ -73,6 +75,7 @@ class SyncProcess:
     node: str
     device: str = "cpu"
     shard: tuple[int, int] | None = None
+    machine: str | None = None
 
     def __post_init__(self) -> None:
         _text(self.id, "process id")
@@ -80,6 +83,8 @@ class SyncProcess:
             raise SyncPlanError(f"process {self.id!r}: role must be one of {list(ROLES)}, got {self.role!r}")
         _text(self.node, f"process {self.id!r}: node")
         _text(self.device, f"process {self.id!r}: device")
+        if self.machine is not None:
+            _text(self.machine, f"process {self.id!r}: machine")
         if self.shard is not None:
             shard = tuple(self.shard)
             ok = len(shard) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
@@ -96,6 +101,11 @@ class SyncProcess:
     def gpu(self) -> bool:
         return self.device != "cpu"
 
+    @property
+    def host(self) -> str:
+        """Whose network interfaces this process's traffic crosses: its machine, else its node."""
+        return self.machine if self.machine is not None else self.node
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -103,6 +113,7 @@ class SyncProcess:
             "node": self.node,
             "device": self.device,
             "shard": None if self.shard is None else list(self.shard),
+            "machine": self.machine,
         }
 
     @classmethod
@@ -114,6 +125,7 @@ class SyncProcess:
             data["node"],
             data.get("device", "cpu"),
             None if shard is None else tuple(shard),
+            data.get("machine"),
         )
 
 

@@ -34,6 +34,7 @@ class Processes:
         self.calls = calls
         self.node_of: dict[Hashable, Any] = {}
         self.gpu_of: dict[Hashable, int] = {}  # -1: a CPU worker
+        self.ip_of: dict[Hashable, str] = {}  # the machine: raylets of one machine share its NICs
         self.colocated = False
         self._ids: dict[Hashable, tuple[str, str]] = {}  # worker -> (role, id)
         self._counters = {role: itertools.count() for role in ("trainer", "rollout")}
@@ -45,8 +46,9 @@ class Processes:
             return
         nodes = self.calls.call_all(todo, "_get_node_id")
         devices = self.calls.call_all(todo, "report_node_ip_and_gpu_id")
-        for p, node, (_ip, gpu) in zip(todo, nodes, devices, strict=True):
+        for p, node, (ip, gpu) in zip(todo, nodes, devices, strict=True):
             self.node_of[self.roster.wid(p)] = str(node)
+            self.ip_of[self.roster.wid(p)] = str(ip)
             self.gpu_of[self.roster.wid(p)] = int(gpu)
 
     def node(self, policy: Policy) -> Any:
@@ -83,15 +85,18 @@ class Processes:
         self.locate(roster.train_list + roster.eval_list)
         out = []
         for p in roster.train_list:
-            out.append(SyncProcess(self.pid(p), "trainer", self.node(p), self._device(p)))
+            out.append(SyncProcess(self.pid(p), "trainer", self.node(p), self._device(p), None, self._ip(p)))
         by_node: dict[Any, list[Policy]] = {}
         for p in roster.eval_list:
             by_node.setdefault(self.node(p), []).append(p)
         for p in roster.eval_list:
             mates = by_node[self.node(p)]
             shard = (mates.index(p), len(mates)) if strategy == "Sharded" else None
-            out.append(SyncProcess(self.pid(p), "rollout", self.node(p), self._device(p), shard))
+            out.append(SyncProcess(self.pid(p), "rollout", self.node(p), self._device(p), shard, self._ip(p)))
         return out
+
+    def _ip(self, policy: Policy) -> str:
+        return self.ip_of[self.roster.wid(policy)]
 
     def _device(self, policy: Policy) -> str:
         gpu = self.gpu_of[self.roster.wid(policy)]
