@@ -290,9 +290,8 @@ def test_nodes_of_one_machine_share_its_nics() -> None:
     its network interfaces (a local multi-raylet cluster); on two machines they do."""
 
     def on(machines: dict[str, str], trainers: int) -> SyncPlan:
-        procs = [
-            dataclasses.replace(p, machine=machines.get(p.node)) for p in cluster(trainers) if p.node != "n0" or p.role == "trainer"
-        ]
+        senders_only_on_n0 = [p for p in cluster(trainers) if p.node != "n0" or p.role == "trainer"]
+        procs = [dataclasses.replace(p, machine=machines.get(p.node)) for p in senders_only_on_n0]
         return plan_sync(procs, BUCKETS, "Double", fanout="direct")
 
     apart = {"n0": "m0", "nt1": "m1", "n1": "m2", "n2": "m3"}
