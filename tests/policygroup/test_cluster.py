@@ -398,7 +398,7 @@ def test_comm_group_names_the_rank_that_did_not_join(actors: dict[str, Any]) -> 
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             ray.get(ref, timeout=60)
         assert isinstance(info.value.cause, CommGroupError)
-        assert "rank(s) [2] did not join" in str(info.value.cause)
+        assert "rank(s) [2] did not check in" in str(info.value.cause)
         assert info.value.cause.missing_ranks == (2,)
 
 

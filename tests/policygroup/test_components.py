@@ -96,6 +96,7 @@ def _processes(strategy: str, n_train: int = 2) -> tuple[list[Any], list[Any], P
     for policy, node in zip(train + evals, "AB"[:n_train] + "ABCC", strict=True):
         processes.node_of[roster.wid(policy)] = node  # located: no call to the workers
         processes.gpu_of[roster.wid(policy)] = -1
+        processes.ip_of[roster.wid(policy)] = f"host-{node}"  # one machine per node
     return train, evals, processes
 
 
