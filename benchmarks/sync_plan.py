@@ -82,8 +82,8 @@ class Bench:
 
         self.ray = ray
         self.quick = quick
-        self.mib = 16 if quick else 64
-        self.reps = 3 if quick else 5
+        self.mib = 32 if quick else 64  # below 32 MiB the control round trips blur the plans apart
+        self.reps = 5
         self.actors: dict[str, Any] = {}
         self.cost: Any = None
         self.policy = make_policy(self.mib, 32)

@@ -75,9 +75,17 @@ class PlanContext:
 
 
 def _waves(steps: Sequence[SyncStep]) -> list[int]:
+    """Which steps run at the same time: a step starts after the steps in its `after` and after
+    its sender's previous step (a sender runs its steps one after the other, so they never
+    share its links)."""
     waves: list[int] = []
+    last_of: dict[str, int] = {}
     for s in steps:
-        waves.append(1 + max((waves[a] for a in s.after), default=-1))
+        before = [waves[a] for a in s.after]
+        if s.src in last_of:
+            before.append(waves[last_of[s.src]])
+        waves.append(1 + max(before, default=-1))
+        last_of[s.src] = len(waves) - 1
     return waves
 
 
