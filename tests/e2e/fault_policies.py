@@ -203,7 +203,8 @@ class FaultPolicy(BasePolicy):
     def recv_ipc(self, channel: str, index: int, version: int, timeout_s: float) -> int:
         self._fire("recv")
         self._hook_consumers()
-        return int(self._recording(lambda: super(FaultPolicy, self).recv_ipc(channel, index, version, timeout_s)))
+        receive = super().recv_ipc
+        return int(self._recording(lambda: receive(channel, index, version, timeout_s)))
 
     def send_ipc(self, channel: str, version: int, timeout_s: float) -> int:
         self._fire("send")

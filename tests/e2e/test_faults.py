@@ -60,7 +60,11 @@ KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBu
 def config(strategy: str = "Double", cuda_ipc: str = "auto") -> PolicyConfig:
     return PolicyConfig(
         weight_buffer=WeightBufferConfig(
-            type=KIND[strategy], buffer_strategy=strategy, bucket_bytes=1024, checksums=True, cuda_ipc=cuda_ipc
+            type=KIND[strategy],
+            buffer_strategy=strategy,
+            bucket_bytes=1024,
+            checksums=True,
+            cuda_ipc=cuda_ipc,
         ),
         group_timeout_s=GROUP_TIMEOUT_S,
         sync_timeout_s=SYNC_TIMEOUT_S,

@@ -97,16 +97,20 @@ def test_same_node_rollout_workers_receive_by_ipc_bit_exact(actors: dict[str, An
         assert plan is not None
         assert [s.transport for s in plan.steps] == ["cuda_ipc"]  # no node buffer, no object store
         assert (step.src, step.dst) == ("t0", tuple(group.process_id(p) for p in group.eval_list))
-        assert not plan.node_buffers and not group.shared_weight_buffer_map
+        assert not plan.node_buffers
+        assert not group.shared_weight_buffer_map
         for seed in (1, 2, 3):
             group.train(None, seed=seed)
             before = group.weight_version
             report = group.sync_weights()
             assert group.weight_version == before + 1
             assert eval_state(group) == [(group.weight_version, trainer_sum(group))] * 2  # bit-exact
-            assert report is not None and report.ok and report.matches(plan)
+            assert report is not None
+            assert report.ok
+            assert report.matches(plan)
             [measured] = report.steps
-            assert "wire" in measured.phases and "land" in measured.phases
+            assert "wire" in measured.phases
+            assert "land" in measured.phases
             assert group.sync_plan is plan  # nothing changed: the same plan, the same channel
         x = torch.randn(4, OBS_DIM, generator=torch.Generator().manual_seed(0)).tolist()
         out = ray.get([p._rollout.remote(x[0]) for p in group.eval_list], timeout=60)
@@ -120,7 +124,7 @@ def test_shared_and_cpu_workers_keep_the_node_buffer(actors: dict[str, Any]) -> 
     "off" keep today's node buffer."""
     with pytest.raises(ValueError, match="cuda_ipc 'host' does not run with buffer_strategy 'Shared'"):
         WeightBufferConfig(type="CPUWeightBuffer", buffer_strategy="Shared", cuda_ipc="host")
-    with pytest.raises(ValueError, match="weight_buffer.cuda_ipc 'gpu' is unknown; valid: auto, off, host"):
+    with pytest.raises(ValueError, match=r"weight_buffer\.cuda_ipc 'gpu' is unknown; valid: auto, off, host"):
         WeightBufferConfig(cuda_ipc="gpu")
     for strategy, mode in (("Shared", "auto"), ("Double", "auto"), ("Double", "off")):
         group = make_group([actors["train0"]], [actors["eval0"], actors["eval1"]], config(strategy, mode))
@@ -142,8 +146,8 @@ def test_host_mode_needs_ray_actors() -> None:
     group = PolicyGroup([trainer], [reader], config())
     try:
         group.init(TrainConfig(lr=1e-2))
+        group.init_placement_info()
         with pytest.raises(PolicyGroupError, match="cuda_ipc 'host' needs Ray actors"):
-            group.init_placement_info()
             group.init_weight_buffer()
     finally:
         group.shutdown()
@@ -167,7 +171,9 @@ def test_reader_killed_mid_step_keeps_the_previous_version_then_replans(cluster:
         assert group.weight_version == version
         assert eval_state(group) == [before]  # the survivor: the previous version, bit for bit
         report = group.last_sync_report
-        assert report is not None and not report.ok and "reader 1" in str(report.error)
+        assert report is not None
+        assert not report.ok
+        assert "reader 1" in str(report.error)
         assert group.eval_list == [keep]  # dropped like any dead rollout worker
         group.sync_weights()  # re-planned like any death
         [step] = ipc_steps(group)

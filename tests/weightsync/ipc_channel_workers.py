@@ -73,12 +73,13 @@ def scenario_ipc_channels(rank: int, world: int, port: int, path: str, backend: 
 
 def _write(weights: WorkerWeights, module: nn.Module, path: str, backend: str, readers: list[str]) -> Any:
     out: dict[str, Any] = {"names": []}
-    name = weights.ipc_channel(module, readers, backend)
+    name = weights.ipc_channel(module, readers, backend, BUCKET_BYTES)
     w._publish_name(path, name)
+    send = weights.ipc_send
     for version in (1, 2, 3):
         set_version(module, version)
-        assert weights.ipc_channel(module, readers, backend) == name  # kept across versions
-        out[f"v{version}"] = w.outcome(lambda v=version: weights.ipc_send(module, name, v, Deadline(w.DEADLINE)))
+        assert weights.ipc_channel(module, readers, backend, BUCKET_BYTES) == name  # kept across versions
+        out[f"v{version}"] = w.outcome(lambda v=version: send(module, name, v, Deadline(w.DEADLINE)))
     wrong = module[0].weight
     with torch.no_grad():
         module[0].weight = nn.Parameter(torch.zeros(8, 16, device=wrong.device))  # a reshaped parameter
@@ -86,7 +87,7 @@ def _write(weights: WorkerWeights, module: nn.Module, path: str, backend: str, r
     out["closed"] = weights.ipc_writer.name is None
     module[0].weight = wrong
     set_version(module, 5)
-    fresh = weights.ipc_channel(module, readers, backend)
+    fresh = weights.ipc_channel(module, readers, backend, BUCKET_BYTES)
     out["new_channel"] = fresh != name
     w._publish_name(path + ".5", fresh)
     out["v5"] = w.outcome(lambda: weights.ipc_send(module, fresh, 5, Deadline(w.DEADLINE)))

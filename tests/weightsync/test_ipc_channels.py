@@ -19,7 +19,8 @@ def check_run(results: dict[int, Any], readers: int) -> None:
     for version in (1, 2, 3, 5):
         assert writer[f"v{version}"]["ok"], writer[f"v{version}"]
     assert writer["v4"]["type"] == "LayoutMismatchError", writer["v4"]
-    assert writer["closed"] and writer["new_channel"]
+    assert writer["closed"]
+    assert writer["new_channel"]
     for rank in range(1, readers + 1):
         got = results[rank]
         for version in (1, 2, 3):

@@ -7,10 +7,11 @@ worker receives every broadcast addressed to it: one part per sender, assembled 
 version under the two-phase commit), ``sync_stage`` (a rollout worker takes the version from
 its node's buffer) and, for a "cuda_ipc" step, ``sync_ipc_channel`` then ``sync_ipc_send`` (a
 trainer: its CUDA IPC channel to the step's readers, then the version through it) and
-``sync_ipc_receive`` (a reader, attached to that channel, into its endpoint). Each takes the sync's one deadline (a wall-clock time every step shares)
-and returns what it measured: start and end (``time.time()``) and its phases. They call the
-overridable methods below (`publish_shared`, `send_broadcast`, `recv_broadcast`,
-`stage_from_segment`, `send_ipc`, `recv_ipc`), so a policy that writes its node buffer its own way keeps working.
+``sync_ipc_receive`` (a reader, attached to that channel, into its endpoint). Each takes the
+sync's one deadline (a wall-clock time every step shares) and returns what it measured: start
+and end (``time.time()``) and its phases. They call the overridable methods below
+(`publish_shared`, `send_broadcast`, `recv_broadcast`, `stage_from_segment`, `send_ipc`,
+`recv_ipc`), so a policy that writes its node buffer its own way keeps working.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ class WeightCalls:
         left = left_until(deadline_at, f"read node buffer {name}")
         return timed(lambda: self.stage_from_segment(name, version, timeout_s=left), "land")
 
-    def sync_ipc_channel(self, readers: Sequence[str], backend: str, bucket_bytes: int, checksums: bool) -> str:
+    def sync_ipc_channel(
+        self, readers: Sequence[str], backend: str, bucket_bytes: int, checksums: bool
+    ) -> str:
         """A cuda_ipc step's writer: the name of its IPC channel to `readers` (made at first use,
         kept while the readers, the group's layout, the backend and checksums stay the same)."""
         return self._weights.ipc_channel(self.model, readers, backend, bucket_bytes, checksums)

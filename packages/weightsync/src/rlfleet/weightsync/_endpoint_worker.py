@@ -3,8 +3,8 @@
 Each optional: the node buffer it writes (a `SharedBuffer`: a trainer on the node publishes each
 version into it once, or the one rollout worker that receives for the node lands a broadcast in
 it), the layout it sends with, the endpoint it receives through (`create_endpoint`: one
-strategy at a time), and the CUDA IPC channels it writes or reads (`_ipc_worker`). Its `version` is the endpoint's when there is one,
-so a worker reports one version whatever its role.
+strategy at a time), and the CUDA IPC channels it writes or reads (`_ipc_worker`). Its
+`version` is the endpoint's when there is one, so a worker reports one version whatever its role.
 """
 
 from __future__ import annotations
@@ -179,11 +179,17 @@ class WorkerWeights:
 
     # -- CUDA IPC -----------------------------------------------------------------------
     def ipc_channel(
-        self, module: torch.nn.Module, readers: Sequence[str], backend: str, checksums: bool = False
+        self,
+        module: torch.nn.Module,
+        readers: Sequence[str],
+        backend: str,
+        bucket_bytes: int | None = None,
+        checksums: bool = False,
     ) -> str:
         """The name of the IPC channel this worker writes to `readers` (made at first use, kept
-        while they stay the same); its layout is this worker's send layout."""
-        layout = self.layout_for(module, self.bucket_bytes)
+        while they stay the same); its layout is this worker's send layout (`bucket_bytes`:
+        the group's bucket size; default this worker's)."""
+        layout = self.layout_for(module, self.bucket_bytes if bucket_bytes is None else bucket_bytes)
         device = cuda_device_of(module) if backend == "cuda" else None
         return self.ipc_writer.channel(readers, layout, backend, device, checksums)
 

@@ -37,7 +37,8 @@ def cuda_device_of(module: torch.nn.Module) -> torch.device | None:
     """The CUDA device the module's weights live on (None: on the host)."""
     for tensor in module.state_dict().values():
         if tensor.is_cuda:
-            return tensor.device
+            device: torch.device = tensor.device
+            return device
     return None
 
 
