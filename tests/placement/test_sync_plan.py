@@ -112,7 +112,7 @@ def test_gpu_nodes_use_cuda_ipc_unless_switched_off() -> None:
 
 
 def test_forced_cuda_ipc_covers_every_same_node_reader_and_never_a_share() -> None:
-    """"force": the node-local fan-out is one cuda_ipc step on CPU processes too (policygroup's
+    """ "force": the node-local fan-out is one cuda_ipc step on CPU processes too (policygroup's
     host test mode); cross-node destinations still get broadcasts, and IPC never splits buckets."""
     procs = [T("t0", "n0"), T("t1", "n1"), R("r0", "n0"), R("r1", "n0"), R("r2", "n2")]
     plan = plan_sync(procs, BUCKETS, "Double", cuda_ipc="force")
