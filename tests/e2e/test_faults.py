@@ -25,6 +25,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 import fault_policies as fp  # noqa: E402
+from testkit import eval_state  # noqa: E402
 
 from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
@@ -127,13 +128,6 @@ def make_group(
     group.init_comm_group("gloo")
     group.sync_weights()
     return group
-
-
-def eval_state(group: PolicyGroup) -> list[tuple[int, str]]:
-    """(version, checksum) of every rollout worker, in eval_list order."""
-    versions = ray.get([p.get_weight_version.remote() for p in group.eval_list], timeout=60)
-    sums = ray.get([p.get_weight_checksum.remote() for p in group.eval_list], timeout=60)
-    return list(zip(versions, sums, strict=True))
 
 
 def trainer_sum(group: PolicyGroup) -> str:

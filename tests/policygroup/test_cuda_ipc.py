@@ -19,6 +19,7 @@ ray = pytest.importorskip("ray")
 
 import pg_policies  # noqa: E402
 from pg_policies import OBS_DIM, FaultyMLPPolicy, MLPPolicy  # noqa: E402
+from testkit import eval_state  # noqa: E402
 
 from rlfleet.policygroup import (  # noqa: E402
     PolicyConfig,
@@ -76,12 +77,6 @@ def ipc_steps(group: PolicyGroup) -> list[Any]:
     plan = group.sync_plan
     assert plan is not None
     return [s for s in plan.steps if s.transport == "cuda_ipc"]
-
-
-def eval_state(group: PolicyGroup) -> list[tuple[int, str]]:
-    versions = ray.get([p.get_weight_version.remote() for p in group.eval_list], timeout=60)
-    sums = ray.get([p.get_weight_checksum.remote() for p in group.eval_list], timeout=60)
-    return list(zip(versions, sums, strict=True))
 
 
 def trainer_sum(group: PolicyGroup) -> str:
