@@ -73,3 +73,12 @@ def node_ids() -> dict[str, str]:
                 {k: node["NodeID"] for k in node.get("Resources", {}) if k[4:].isdigit() and k[:4] == "node"}
             )
     return out
+
+
+def eval_state(group: Any) -> list[tuple[int, str]]:
+    """(version, weight checksum) of every rollout worker of a Ray `PolicyGroup`, in eval_list order."""
+    import ray
+
+    versions = ray.get([p.get_weight_version.remote() for p in group.eval_list], timeout=60)
+    sums = ray.get([p.get_weight_checksum.remote() for p in group.eval_list], timeout=60)
+    return list(zip(versions, sums, strict=True))

@@ -200,6 +200,16 @@ class FaultPolicy(BasePolicy):
         self._hook_consumers()
         return self._recording(lambda: super(FaultPolicy, self).recv_broadcast(parts, version, timeout_s))
 
+    def recv_ipc(self, channel: str, index: int, version: int, timeout_s: float) -> int:
+        self._fire("recv")
+        self._hook_consumers()
+        receive = super().recv_ipc
+        return int(self._recording(lambda: receive(channel, index, version, timeout_s)))
+
+    def send_ipc(self, channel: str, version: int, timeout_s: float) -> int:
+        self._fire("send")
+        return super().send_ipc(channel, version, timeout_s)
+
     def send_broadcast(
         self, group_id: str, version: int, bucket_bytes: int, timeout_s: float, **kw: Any
     ) -> int:

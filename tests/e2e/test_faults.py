@@ -25,6 +25,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 import fault_policies as fp  # noqa: E402
+from testkit import eval_state  # noqa: E402
 
 from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
@@ -57,10 +58,14 @@ RPC_TIMEOUT_S = 30.0
 KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBuffer"}
 
 
-def config(strategy: str = "Double") -> PolicyConfig:
+def config(strategy: str = "Double", cuda_ipc: str = "auto") -> PolicyConfig:
     return PolicyConfig(
         weight_buffer=WeightBufferConfig(
-            type=KIND[strategy], buffer_strategy=strategy, bucket_bytes=1024, checksums=True
+            type=KIND[strategy],
+            buffer_strategy=strategy,
+            bucket_bytes=1024,
+            checksums=True,
+            cuda_ipc=cuda_ipc,
         ),
         group_timeout_s=GROUP_TIMEOUT_S,
         sync_timeout_s=SYNC_TIMEOUT_S,
@@ -108,8 +113,12 @@ def restore(actors: dict[str, Any]) -> Iterator[None]:
     ray.get([a.mutate.remote(None) for a in actors.values()], timeout=60)
 
 
-def make_group(actors: dict[str, Any], strategy: str, evals: tuple[str, ...] = EVALS) -> PolicyGroup:
-    group = PolicyGroup([actors["train0"], actors["train1"]], [actors[e] for e in evals], config(strategy))
+def make_group(
+    actors: dict[str, Any], strategy: str, evals: tuple[str, ...] = EVALS, cuda_ipc: str = "auto"
+) -> PolicyGroup:
+    group = PolicyGroup(
+        [actors["train0"], actors["train1"]], [actors[e] for e in evals], config(strategy, cuda_ipc)
+    )
     group.init(TrainConfig(lr=1e-2))
     # trainers are data-parallel replicas: a restarted one starts from train0's weights
     state = ray.get(actors["train0"].get_state_dict.remote(), timeout=60)
@@ -119,13 +128,6 @@ def make_group(actors: dict[str, Any], strategy: str, evals: tuple[str, ...] = E
     group.init_comm_group("gloo")
     group.sync_weights()
     return group
-
-
-def eval_state(group: PolicyGroup) -> list[tuple[int, str]]:
-    """(version, checksum) of every rollout worker, in eval_list order."""
-    versions = ray.get([p.get_weight_version.remote() for p in group.eval_list], timeout=60)
-    sums = ray.get([p.get_weight_checksum.remote() for p in group.eval_list], timeout=60)
-    return list(zip(versions, sums, strict=True))
 
 
 def trainer_sum(group: PolicyGroup) -> str:
@@ -170,6 +172,8 @@ def pick(group: PolicyGroup, actors: dict[str, Any], role: str) -> str:
         return name(readers_of(group, group.node_of(actors["train1"]))[0])
     if role == "reader":  # Shared: reads node2's shared buffer that another eval fills
         return name(readers_of(group, group.node_of(actors["eval2"]))[0])
+    if role == "ipc":  # maps the IPC channel of the trainer on its node
+        return name(steps(group, "cuda_ipc")[0].dst[0])
     raise ValueError(role)
 
 
@@ -199,12 +203,14 @@ def assert_not_planned(group: PolicyGroup, victim: Any) -> None:
         ("Double", "broadcast", "consume"),
         ("Shared", "writer", "consume"),
         ("Shared", "reader", "stage"),
+        ("Double", "ipc", "consume"),  # weight_buffer.cuda_ipc="host": the same steps on CPU
+        ("None", "ipc", "consume"),
     ],
 )
 def test_eval_killed_mid_sync_survivors_finish_and_it_leaves_routing_and_plans(
     actors: dict[str, Any], restore: None, strategy: str, role: str, point: str
 ) -> None:
-    group = make_group(actors, strategy)
+    group = make_group(actors, strategy, cuda_ipc="host" if role == "ipc" else "auto")
     try:
         group.train(None, seed=1)
         victim = pick(group, actors, role)

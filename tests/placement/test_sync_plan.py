@@ -111,6 +111,22 @@ def test_gpu_nodes_use_cuda_ipc_unless_switched_off() -> None:
     assert colocated.predicted_seconds > 0
 
 
+def test_forced_cuda_ipc_covers_every_same_node_reader_and_never_a_share() -> None:
+    """ "force": the node-local fan-out is one cuda_ipc step on CPU processes too (policygroup's
+    host test mode); cross-node destinations still get broadcasts, and IPC never splits buckets."""
+    procs = [T("t0", "n0"), T("t1", "n1"), R("r0", "n0"), R("r1", "n0"), R("r2", "n2")]
+    plan = plan_sync(procs, BUCKETS, "Double", cuda_ipc="force")
+    [ipc] = [s for s in plan.steps if s.transport == "cuda_ipc"]
+    assert (ipc.src, ipc.dst, ipc.node) == ("t0", ("r0", "r1"), "n0")
+    assert ipc.buckets == tuple(range(len(BUCKETS)))  # every bucket, one writer: no shares
+    assert not plan.node_buffers  # every reader of n0 maps the writer's slots
+    assert [s.src for s in plan.steps if s.transport == "broadcast"] == ["t0", "t1"]
+    assert ipc.predicted_seconds > 0
+    assert {s.transport for s in plan_sync(procs, BUCKETS, "Double").steps} == {"broadcast", "node_buffer"}
+    with pytest.raises(SyncPlanError, match="cuda_ipc must be True, False or 'force'"):
+        plan_sync(procs, BUCKETS, "Double", cuda_ipc="yes")  # type: ignore[arg-type]
+
+
 def test_split_shares_is_contiguous_and_balanced() -> None:
     assert split_shares([1, 1, 1, 1], 2) == [(0, 1), (2, 3)]
     assert split_shares([10, 1, 1, 1], 2) == [(0,), (1, 2, 3)]

@@ -65,6 +65,38 @@ class MLPPolicy(BasePolicy):
         return os.path.exists(os.path.join("/dev/shm", name))
 
 
+class FaultyMLPPolicy(MLPPolicy):
+    """MLPPolicy that, once armed, SIGKILLs a process (itself by default) right after the first
+    bucket of a version lands in its endpoint through a CUDA IPC channel: mid-step."""
+
+    _victim: int | None = None
+
+    def get_pid(self) -> int:
+        return os.getpid()
+
+    def arm_kill_after_first_bucket(self, pid: int | None = None) -> None:
+        self._victim = os.getpid() if pid is None else int(pid)
+
+    def recv_ipc(self, channel: str, index: int, version: int, timeout_s: float) -> int:
+        victim, self._victim = self._victim, None
+        consumer = self._weights.require_endpoint().consumer
+        if victim is not None and consumer is not None:
+            original = consumer.consume
+
+            def consume(k: int, data: torch.Tensor) -> None:
+                original(k, data)
+                os.kill(victim, signal.SIGKILL)
+                if victim == os.getpid():
+                    time.sleep(60)
+
+            consumer.consume = consume  # type: ignore[method-assign]
+            try:
+                return super().recv_ipc(channel, index, version, timeout_s)
+            finally:
+                consumer.consume = original  # type: ignore[method-assign]
+        return super().recv_ipc(channel, index, version, timeout_s)
+
+
 class NoopPolicy(BasePolicy):
     """No model work at all: measures the group's own overhead."""
 

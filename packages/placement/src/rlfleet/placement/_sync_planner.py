@@ -5,7 +5,9 @@ Rules `plan_sync` follows (what policygroup executes):
 * A node with a trainer and rollout workers: one node-local step written by the node's first
   trainer (by id), read by its rollout workers: through the node's shared buffer (mode "bind"
   for Shared, "copy" otherwise) or, when writer and readers are GPU processes and ``cuda_ipc``
-  is on, through CUDA IPC.
+  is on, through CUDA IPC (``cuda_ipc="force"``: every same-node reader, GPU or not, for
+  executors that test the IPC step on CPU processes with a host stand-in for the device slots).
+  A "cuda_ipc" step always carries every bucket from one writer: it is never split into shares.
 * A node with rollout workers and no trainer: fan-out "node_buffer" (default for Shared) makes
   its first rollout worker (by id) a broadcast destination that writes the node buffer, read by
   the others after the broadcasts land; fan-out "direct" (default otherwise) makes every rollout
@@ -129,7 +131,7 @@ class _Builder:
 
     sizes: tuple[int, ...]
     mode: Literal["bind", "copy"]
-    cuda_ipc: bool
+    cuda_ipc: bool | Literal["force"]
     steps: list[SyncStep] = field(default_factory=list)
     buffers: list[NodeBuffer] = field(default_factory=list)
 
@@ -153,7 +155,8 @@ class _Builder:
         on), the node buffer for the rest (a buffer is listed even without readers: the writer
         lands there)."""
         every = tuple(range(len(self.sizes)))
-        ipc = [r.id for r in readers if self.cuda_ipc and writer.gpu and r.gpu]
+        force = self.cuda_ipc == "force"
+        ipc = [r.id for r in readers if force or (self.cuda_ipc and writer.gpu and r.gpu)]
         host = [r.id for r in readers if r.id not in ipc]
         if ipc:
             self.add("cuda_ipc", writer.id, ipc, node, every, after)
@@ -191,7 +194,7 @@ def plan_sync(
     senders: Literal["all", "one"] = "all",
     fanout: Literal["auto", "node_buffer", "direct"] = "auto",
     layout_digest: str | None = None,
-    cuda_ipc: bool = True,
+    cuda_ipc: bool | Literal["force"] = True,
     bucket_tensors: Sequence[int] | None = None,
 ) -> SyncPlan:
     """Our plan for one version (see the module docstring), priced and validated.
@@ -199,10 +202,13 @@ def plan_sync(
     ``topology`` (optional) gives the link rates (its nodes must include every process's node);
     ``cost`` the other terms. Without either the plan is priced on documented defaults and
     ``topology_source`` says so. ``bucket_tensors[i]`` is the number of tensors in bucket ``i``.
-    ``cuda_ipc=False`` keeps GPU processes of a node on the node buffer.
+    ``cuda_ipc=False`` keeps GPU processes of a node on the node buffer; ``cuda_ipc="force"``
+    makes every same-node fan-out a "cuda_ipc" step, GPU or not (a test and diagnostic mode).
     """
     procs, sizes = _check_inputs(processes, bucket_bytes, strategy)
     tensors = _check_tensors(bucket_tensors, len(sizes))
+    if not (isinstance(cuda_ipc, bool) or cuda_ipc == "force"):
+        raise SyncPlanError(f"cuda_ipc must be True, False or 'force', got {cuda_ipc!r}")
     if senders not in SENDERS:
         raise SyncPlanError(f"senders must be one of {list(SENDERS)}, got {senders!r}")
     if fanout not in FANOUTS:

@@ -15,6 +15,7 @@ ROUTER_TYPES = ("simple", "node_affinity", "round_robin", "least_load", "power_o
 PLANNERS = ("rlfleet", "seed")
 SENDERS = ("all", "one")
 FANOUTS = ("auto", "node_buffer", "direct")
+CUDA_IPC_MODES = ("auto", "off", "host")
 
 
 def _choice(value: object, valid: tuple[str, ...], what: str) -> None:
@@ -42,6 +43,16 @@ class WeightBufferConfig:
     "one" (the first trainer sends everything); ``fanout`` on a node without a trainer:
     "node_buffer" (one rollout worker receives and fills the node buffer the others read),
     "direct" (every rollout worker receives), "auto" (node_buffer for "Shared", else direct).
+
+    ``cuda_ipc``: how a trainer hands a version to the GPU rollout workers of its node (colocated
+    or not). "auto": through CUDA IPC, device to device (a "cuda_ipc" step of the plan: the
+    trainer's `CudaIpcSender`, one `CudaIpcReceiver` per reader) when the trainer and the reader
+    are GPU workers (Ray actors); CPU workers keep the node buffer. "off": always the node buffer.
+    "host": a testing and diagnostic mode: every same-node rollout worker of a trainer, GPU or
+    not, gets the "cuda_ipc" step, run over host shared memory (weightsync's ``backend="host"``:
+    the same protocol, control block and code path as on GPUs). "Shared" keeps the node buffer
+    whatever this says: its readers compute with zero-copy views of the buffer, which IPC slots
+    (reused bucket by bucket) cannot give.
     """
 
     type: str = "WeightBuffer"
@@ -51,6 +62,7 @@ class WeightBufferConfig:
     planner: str = "rlfleet"
     senders: str = "all"
     fanout: str = "auto"
+    cuda_ipc: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,6 +91,12 @@ class WeightBufferConfig:
         _choice(self.planner, PLANNERS, "weight_buffer.planner")
         _choice(self.senders, SENDERS, "weight_buffer.senders")
         _choice(self.fanout, FANOUTS, "weight_buffer.fanout")
+        _choice(self.cuda_ipc, CUDA_IPC_MODES, "weight_buffer.cuda_ipc")
+        if self.cuda_ipc == "host" and self.buffer_strategy == "Shared":
+            raise ValueError(
+                "weight_buffer.cuda_ipc 'host' does not run with buffer_strategy 'Shared': its rollout "
+                "workers compute with zero-copy views of the node buffer, which IPC slots cannot give"
+            )
         shared = self.buffer_strategy == "Shared"
         if self.fanout == ("direct" if shared else "node_buffer"):
             raise ValueError(

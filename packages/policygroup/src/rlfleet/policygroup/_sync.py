@@ -24,7 +24,7 @@ from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import PolicyGroupError, TrainWorkerDiedError
 from rlfleet.policygroup._rollout import Rollouts
 from rlfleet.policygroup._submitter import is_remote
-from rlfleet.policygroup._sync_plan import Processes, plan_for
+from rlfleet.policygroup._sync_plan import Processes, ipc_mode, plan_for
 from rlfleet.policygroup._sync_wiring import Wiring, changed_nodes
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ class WeightSync:
             return None
         strategy = self.config.weight_buffer.buffer_strategy
         processes = self.processes.sync_processes(strategy)
-        self.plan = plan_for(processes, self.layout, self.config, self.processes.colocated)
+        members = self.roster.train_list + self.roster.eval_list
+        ipc = ipc_mode(self.config, all(is_remote(p) for p in members))
+        self.plan = plan_for(processes, self.layout, self.config, self.processes.colocated, ipc)
         return self.plan
 
     def _rewire(self) -> None:
@@ -176,6 +178,7 @@ class WeightSync:
                 self.calls.invoke,
                 self.wiring.groups,
                 self.wiring.names,
+                self._ipc_options(),
             )
             results = _sync_run.outcomes(run, self.calls, f"send_weights v{version}")
         except BaseException:
@@ -193,6 +196,13 @@ class WeightSync:
             self.staged = version
             return SyncOutcome(version, len(plan.steps), time.perf_counter() - start, report=self.report)
         return self._recover(version, failed, retry, start)
+
+    def _ipc_options(self) -> dict[str, Any]:
+        """What a cuda_ipc step's channel is made with: backend, the group's bucket size, checksums."""
+        wb = self.config.weight_buffer
+        bucket_bytes = int((self.layout or {}).get("bucket_bytes", wb.bucket_bytes))
+        backend = "host" if wb.cuda_ipc == "host" else "cuda"
+        return {"backend": backend, "bucket_bytes": bucket_bytes, "checksums": wb.checksums}
 
     def _recover(
         self,

@@ -7,14 +7,15 @@ one only where the group changed).
 `plan_for` asks placement for the plan: `plan_sync` ("rlfleet", several senders by default) or
 `seed_sync_plan` ("seed", the seed's round-robin funnel), priced on the cluster's topology
 (`Topology.from_ray_nodes`, with the configured overrides) and validated. Nothing here plans a
-transfer itself: the plan is executed as it is (`_sync_run`).
+transfer itself: the plan is executed as it is (`_sync_run`). `ipc_mode` says whether placement
+may hand weights over by CUDA IPC ("cuda_ipc" steps; ``weight_buffer.cuda_ipc``).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import ray
 
@@ -125,10 +126,31 @@ def cost_overrides(cost: CostModel | None) -> dict[str, Any]:
     }
 
 
+def ipc_mode(config: PolicyConfig, actors: bool) -> bool | Literal["force"]:
+    """`plan_sync`'s ``cuda_ipc`` for this config: True lets GPU workers of a node meet by CUDA
+    IPC, "force" every same-node worker ("host"), False none. IPC steps run between processes
+    (Ray actors: `actors`); "Shared" binds its node buffer zero-copy, so it keeps that buffer."""
+    wb = config.weight_buffer
+    if wb.cuda_ipc == "off" or wb.buffer_strategy == "Shared":
+        return False
+    if not actors:
+        if wb.cuda_ipc == "host":
+            raise PolicyGroupError(
+                "weight_buffer.cuda_ipc 'host' needs Ray actors: an IPC channel joins two processes"
+            )
+        return False
+    return "force" if wb.cuda_ipc == "host" else True
+
+
 def plan_for(
-    processes: Sequence[SyncProcess], layout: Mapping[str, Any], config: PolicyConfig, colocated: bool
+    processes: Sequence[SyncProcess],
+    layout: Mapping[str, Any],
+    config: PolicyConfig,
+    colocated: bool,
+    cuda_ipc: bool | Literal["force"] = False,
 ) -> SyncPlan:
-    """The plan placement makes for these processes and the trainers' layout (validated)."""
+    """The plan placement makes for these processes and the trainers' layout (validated);
+    `cuda_ipc` from `ipc_mode`."""
     wb = config.weight_buffer
     parsed = Layout.from_dict(layout)
     sizes = [b.nbytes for b in parsed.buckets]
@@ -151,10 +173,16 @@ def plan_for(
                 wb.buffer_strategy,
                 senders=wb.senders,  # type: ignore[arg-type]
                 fanout=wb.fanout,  # type: ignore[arg-type]
-                cuda_ipc=False,  # GPU workers of a node meet in the node buffer (no CUDA IPC step here)
+                cuda_ipc=cuda_ipc,
                 **common,
             )
         plan.validate()
+        if not cuda_ipc and any(s.transport == "cuda_ipc" for s in plan.steps):
+            raise ValueError(
+                "the seed's colocated plan hands weights to GPU workers by CUDA IPC, which "
+                "weight_buffer.cuda_ipc and these workers do not allow (use Ray actors and cuda_ipc "
+                "'auto', or planner 'rlfleet')"
+            )
     except ValueError as exc:
         raise PolicyGroupError(f"sync plan: {exc}") from exc
     return plan

@@ -9,7 +9,13 @@ arguments (Ray runs a call when its arguments are ready; local objects run in pl
   receive (a step of ``after``), so only the readers are called;
 * ``broadcast`` (and ``p2p``, a broadcast to one): the sender sends its buckets
   (`sync_send`); a rollout worker receives all the broadcast steps addressed to it in one call
-  (`sync_receive`, one part per sender), since an endpoint takes a version once.
+  (`sync_receive`, one part per sender), since an endpoint takes a version once;
+* ``cuda_ipc``: the writer (a trainer) names its IPC channel to the step's readers
+  (`sync_ipc_channel`: made at first use, kept while the readers stay), then sends the version
+  through it (`sync_ipc_send`) while every reader, given the channel's name, attaches if it is
+  new and receives into its endpoint (`sync_ipc_receive`): writer and readers run together,
+  like a broadcast's. A cuda_ipc step carries every bucket from one writer (placement never
+  splits it into shares) and needs Ray actors (the channel joins processes).
 
 Every call gets the sync's one deadline and returns its start, end and phases; a step's
 measured time runs from when it could start (the sync's start, or its dependencies' end) to
@@ -38,7 +44,7 @@ class Call:
 
     policy: Policy
     pid: str
-    kind: str  # publish | send | receive | stage
+    kind: str  # publish | send | receive | stage | ipc_send | ipc_receive
     ref: Any
     steps: tuple[int, ...]
 
@@ -80,11 +86,14 @@ def start(
     invoke: Callable[..., Any],
     groups: Mapping[tuple[str, ...], tuple[str, int]],
     buffers: Mapping[str, str],
+    ipc: Mapping[str, Any] | None = None,
 ) -> Execution:
     """Start every call of `version` through `plan` (see the module docstring).
 
     `groups[(src, *dst)]` is (group id, the sender's world rank) of a broadcast step; `buffers`
-    the node buffer's name per node."""
+    the node buffer's name per node; `ipc` what a cuda_ipc step's channel is made with (backend
+    "cuda", or "host": the same protocol over host shared memory, a test mode; the group's
+    bucket_bytes; checksums)."""
     run = Execution(plan, version, deadline_at)
     every = len(plan.bucket_bytes)
     previous: dict[str, int] = {}  # sender -> its last step so far
@@ -117,6 +126,8 @@ def start(
             for r in step.dst:
                 ref = invoke(policies[r], "sync_stage", name, version, deadline_at, *deps)
                 run.add(Call(policies[r], r, "stage", ref, (step.index,)))
+        elif step.transport == "cuda_ipc":
+            _ipc(run, step, deps, policies, invoke, ipc or {})
         else:
             raise PolicyGroupError(
                 f"sync v{version}: step {step.index} uses transport {step.transport!r}, "
@@ -133,6 +144,31 @@ def _group(groups: Mapping[tuple[str, ...], tuple[str, int]], step: SyncStep) ->
         raise PolicyGroupError(
             f"step {step.index}: no communication group for {(step.src, *step.dst)}; call init_comm_group()"
         ) from None
+
+
+def _ipc(
+    run: Execution,
+    step: SyncStep,
+    deps: list[Any],
+    policies: Mapping[str, Policy],
+    invoke: Callable[..., Any],
+    options: Mapping[str, Any],
+) -> None:
+    """A cuda_ipc step: the writer's channel, its send, and every reader's receive (together)."""
+    if run.plan.process(step.src).role != "trainer":
+        raise PolicyGroupError(
+            f"sync v{run.version}: step {step.index} relays a received version by CUDA IPC "
+            f"({step.src}); policygroup sends by CUDA IPC from trainers only (relays fill a node buffer)"
+        )
+    writer = policies[step.src]
+    channel = invoke(writer, "sync_ipc_channel", list(step.dst), **options)
+    if not isinstance(channel, ray.ObjectRef):
+        raise PolicyGroupError(f"sync v{run.version}: step {step.index} (cuda_ipc) needs Ray actors")
+    ref = invoke(writer, "sync_ipc_send", channel, run.version, run.deadline_at, *deps)
+    run.add(Call(writer, step.src, "ipc_send", ref, (step.index,)))
+    for index, r in enumerate(step.dst):
+        ref = invoke(policies[r], "sync_ipc_receive", channel, index, run.version, run.deadline_at, *deps)
+        run.add(Call(policies[r], r, "ipc_receive", ref, (step.index,)))
 
 
 def _receive(

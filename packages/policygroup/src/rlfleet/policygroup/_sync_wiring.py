@@ -6,7 +6,9 @@ the node's rollout workers get their endpoint (bound to it, copying from it, or 
 broadcasts; "Sharded" with their share). Communication groups: the world and every group of
 the plan (one per broadcast step's members, sender first) when the group is formed; later,
 a group the new plan needs is made among its members alone. After a worker died, joined, was
-popped or converted, `rewire` rebuilds only what `SyncPlan.diff` says changed.
+popped or converted, `rewire` rebuilds only what `SyncPlan.diff` says changed (a node whose
+"cuda_ipc" readers changed too: releasing its workers' buffers closes their IPC channels, and
+the next sync's writer makes a channel for the new readers).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def plan_groups(plan: SyncPlan) -> list[tuple[str, ...]]:
 
 
 def endpoint_specs(plan: SyncPlan) -> dict[str, dict[str, Any]]:
-    """Per rollout worker: what its endpoint needs (node buffer role, shard)."""
+    """Per rollout worker: what its endpoint needs (node buffer role, shard, IPC channel)."""
     specs: dict[str, dict[str, Any]] = {p.id: {"node": p.node} for p in plan.rollouts}
     for buf in plan.node_buffers:
         for pid in (*buf.readers, buf.writer):
@@ -40,6 +42,10 @@ def endpoint_specs(plan: SyncPlan) -> dict[str, dict[str, Any]]:
     for p in plan.rollouts:
         if p.shard is not None:
             specs[p.id]["shard"] = p.shard
+    for step in plan.steps:  # a cuda_ipc reader: whose channel, among which readers
+        if step.transport == "cuda_ipc":
+            for pid in step.dst:
+                specs[pid]["ipc"] = (step.src, step.dst)
     return specs
 
 

@@ -4,11 +4,14 @@
 process taking part (`_sync_run`): ``sync_publish`` (a trainer writes its node's buffer),
 ``sync_send`` (a trainer broadcasts its share of the buckets), ``sync_receive`` (a rollout
 worker receives every broadcast addressed to it: one part per sender, assembled into one
-version under the two-phase commit) and ``sync_stage`` (a rollout worker takes the version from
-its node's buffer). Each takes the sync's one deadline (a wall-clock time every step shares)
-and returns what it measured: start and end (``time.time()``) and its phases. They call the
-overridable methods below (`publish_shared`, `send_broadcast`, `recv_broadcast`,
-`stage_from_segment`), so a policy that writes its node buffer its own way keeps working.
+version under the two-phase commit), ``sync_stage`` (a rollout worker takes the version from
+its node's buffer) and, for a "cuda_ipc" step, ``sync_ipc_channel`` then ``sync_ipc_send`` (a
+trainer: its CUDA IPC channel to the step's readers, then the version through it) and
+``sync_ipc_receive`` (a reader, attached to that channel, into its endpoint). Each takes the
+sync's one deadline (a wall-clock time every step shares) and returns what it measured: start
+and end (``time.time()``) and its phases. They call the overridable methods below
+(`publish_shared`, `send_broadcast`, `recv_broadcast`, `stage_from_segment`, `send_ipc`,
+`recv_ipc`), so a policy that writes its node buffer its own way keeps working.
 """
 
 from __future__ import annotations
@@ -107,6 +110,25 @@ class WeightCalls:
         left = left_until(deadline_at, f"read node buffer {name}")
         return timed(lambda: self.stage_from_segment(name, version, timeout_s=left), "land")
 
+    def sync_ipc_channel(
+        self, readers: Sequence[str], backend: str, bucket_bytes: int, checksums: bool
+    ) -> str:
+        """A cuda_ipc step's writer: the name of its IPC channel to `readers` (made at first use,
+        kept while the readers, the group's layout, the backend and checksums stay the same)."""
+        return self._weights.ipc_channel(self.model, readers, backend, bucket_bytes, checksums)
+
+    def sync_ipc_send(self, channel: str, version: int, deadline_at: float, *_after: Any) -> Timed:
+        """A cuda_ipc step's writer: this version through `channel`, until every reader committed."""
+        left = left_until(deadline_at, f"send through IPC channel {channel}")
+        return timed(lambda: self.send_ipc(channel, version, left), "wire")
+
+    def sync_ipc_receive(
+        self, channel: str, index: int, version: int, deadline_at: float, *_after: Any
+    ) -> Timed:
+        """A cuda_ipc step's reader `index`: this version from `channel` into our endpoint."""
+        left = left_until(deadline_at, f"receive from IPC channel {channel}")
+        return timed(lambda: self.recv_ipc(channel, index, version, left), "land")
+
     # ================================================================== calibration probes
     def probe_copy_terms(self) -> dict[str, float]:
         """Host copy rate and per-tensor, per-bucket seconds of small syncs in this process."""
@@ -177,6 +199,15 @@ class WeightCalls:
         sender = self._comm.sender(group_id, layout)
         sender.send(self.model.state_dict(), version, Deadline(timeout_s), buckets=buckets)
         return layout.padded_bytes
+
+    def send_ipc(self, channel: str, version: int, timeout_s: float) -> int:
+        """Send this version of our weights through our IPC channel `channel`; bytes moved."""
+        return self._weights.ipc_send(self.model, channel, version, Deadline(timeout_s))
+
+    def recv_ipc(self, channel: str, index: int, version: int, timeout_s: float) -> int:
+        """Take `version` from IPC channel `channel` as its reader `index` (staged, or applied for "None")."""
+        self._receiving()
+        return self._weights.ipc_receive(self.model, channel, index, version, Deadline(timeout_s))
 
     def send_weights_ipc(self) -> dict[str, torch.Tensor]:
         """Colocated seed path: a CPU copy of the state dict (travels through the object store)."""

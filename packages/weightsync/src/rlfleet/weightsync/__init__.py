@@ -12,7 +12,8 @@ sorted by module, so this list is the map):
 - shared memory: the node buffer ("Shared": `SharedBuffer`) and the `ShmRing` transport;
 - broadcast: torch.distributed senders and receivers, member groups, bounded rendezvous, and
   `bucket_segments` (how a bucket is cut on the wire: what a sync really moves, padding included);
-- CUDA IPC and NCCL (CuPy, imported lazily);
+- CUDA IPC and NCCL (CuPy, imported lazily); a worker's IPC channels across versions
+  (`IpcChannelWriter`, `IpcChannelReader`: what a sync plan's "cuda_ipc" step runs);
 - reshard: shard-to-shard moves between training and generation layouts;
 - receive strategies: one endpoint per strategy (`create_endpoint`), `WorkerWeights`, the
   strategy names, and their adapter consumers (`DeferredCommit`, `DiscardingConsumer`);
@@ -70,6 +71,7 @@ from rlfleet.weightsync._errors import (
 from rlfleet.weightsync._feed import feed, full_tensors, layout_entries
 from rlfleet.weightsync._frames import bucket_segments
 from rlfleet.weightsync._integrity import bucket_checksum, checksum, compare_fingerprints, fingerprint
+from rlfleet.weightsync._ipc_worker import IpcChannelReader, IpcChannelWriter
 from rlfleet.weightsync._layout import ALIGNMENT, DEFAULT_BUCKET_BYTES, BucketSpec, Layout, TensorSpec
 from rlfleet.weightsync._load_weights import LoadWeights, LoadWeightsConsumer
 from rlfleet.weightsync._member import MemberGroup
@@ -185,6 +187,8 @@ __all__ = [
     "Drop",
     "Fuse",
     "IncompleteSyncError",
+    "IpcChannelReader",
+    "IpcChannelWriter",
     "Layout",
     "LayoutMismatchError",
     "LoadWeights",

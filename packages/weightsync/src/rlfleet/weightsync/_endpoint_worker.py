@@ -1,16 +1,16 @@
 """A worker's weights as syncs move them: what one process keeps from one sync to the next.
 
-Three things, each optional: the node buffer it writes (a `SharedBuffer`: a trainer on the node
-publishes each version into it once, or the one rollout worker that receives for the node lands
-a broadcast in it), the layout it sends with, and the endpoint it receives through
-(`create_endpoint`: one strategy at a time). Its `version` is the endpoint's when there is one,
-so a worker reports one version whatever its role.
+Each optional: the node buffer it writes (a `SharedBuffer`: a trainer on the node publishes each
+version into it once, or the one rollout worker that receives for the node lands a broadcast in
+it), the layout it sends with, the endpoint it receives through (`create_endpoint`: one
+strategy at a time), and the CUDA IPC channels it writes or reads (`_ipc_worker`). Its
+`version` is the endpoint's when there is one, so a worker reports one version whatever its role.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from rlfleet.weightsync._buffers import ServingLock
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._endpoints import DEFAULT_TIMEOUT_S, WeightEndpoint, create_endpoint
 from rlfleet.weightsync._errors import LayoutMismatchError, WeightSyncError
+from rlfleet.weightsync._ipc_worker import IpcChannelReader, IpcChannelWriter, cuda_device_of
 from rlfleet.weightsync._layout import DEFAULT_BUCKET_BYTES, Layout
 from rlfleet.weightsync._protocol import BucketConsumer
 from rlfleet.weightsync._shared_buffer import SharedBuffer
@@ -56,6 +57,8 @@ class WorkerWeights:
         self.send_lock = threading.Lock()  # concurrent sends of one version lay out and pack once
         self._version = 0
         self._shm_prefix: str | None = None  # name prefix of the group's node buffers (cleanup)
+        self.ipc_writer = IpcChannelWriter()
+        self.ipc_reader = IpcChannelReader()
 
     @property
     def version(self) -> int:
@@ -123,7 +126,10 @@ class WorkerWeights:
             endpoint.release()
 
     def release(self) -> int:
-        """Leave every node buffer, unlinking the one this worker wrote; how many were unlinked."""
+        """Leave every node buffer, unlinking the one this worker wrote, and every IPC channel;
+        how many node buffers were unlinked."""
+        self.ipc_reader.close()
+        self.ipc_writer.close()
         self.release_endpoint()
         writer, self.node_writer = self.node_writer, None
         removed = 0
@@ -170,3 +176,31 @@ class WorkerWeights:
             if self.node_writer.version < version:
                 self.node_writer.publish(module.state_dict(), version, Deadline(timeout_s))
         return version
+
+    # -- CUDA IPC -----------------------------------------------------------------------
+    def ipc_channel(
+        self,
+        module: torch.nn.Module,
+        readers: Sequence[str],
+        backend: str,
+        bucket_bytes: int | None = None,
+        checksums: bool = False,
+    ) -> str:
+        """The name of the IPC channel this worker writes to `readers` (made at first use, kept
+        while they stay the same); its layout is this worker's send layout (`bucket_bytes`:
+        the group's bucket size; default this worker's)."""
+        layout = self.layout_for(module, self.bucket_bytes if bucket_bytes is None else bucket_bytes)
+        device = cuda_device_of(module) if backend == "cuda" else None
+        return self.ipc_writer.channel(readers, layout, backend, device, checksums)
+
+    def ipc_send(self, module: torch.nn.Module, name: str, version: int, deadline: Deadline) -> int:
+        """Send `version` of the module through IPC channel `name`; returns once every reader
+        committed it (or raises, and no reader applied it)."""
+        return self.ipc_writer.send(name, module.state_dict(), version, deadline)
+
+    def ipc_receive(
+        self, module: torch.nn.Module, name: str, index: int, version: int, deadline: Deadline
+    ) -> int:
+        """Take `version` from IPC channel `name` as its reader `index` into this worker's endpoint."""
+        endpoint = self.require_endpoint()
+        return self.ipc_reader.receive(endpoint, name, index, version, deadline, cuda_device_of(module))
