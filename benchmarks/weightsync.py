@@ -400,7 +400,8 @@ def part1(args: Any) -> dict[str, dict[str, Any]]:
     return {
         "shared_vs_seed_ray_speedup": claim(speedup, 10.0, "x"),
         "shared_vs_seed_ray_speedup_no_load": claim(speedup_no_load, None, "x"),
-        "shared_over_memcpy_bound": claim(over, 2.0, "x memcpy", higher_is_better=False),
+        # target for the full 1 GiB run; at 128 MiB (--quick) it moves with the box's load
+        "shared_over_memcpy_bound": claim(over, None if quick else 2.0, "x memcpy", higher_is_better=False),
     }
 
 
