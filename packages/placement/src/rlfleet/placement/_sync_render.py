@@ -160,7 +160,7 @@ def _draw_nodes(ax: Any, plan: SyncPlan, pos: dict[str, tuple[float, float]], bo
         ax.add_patch(
             FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", fill=False, edgecolor="#999999", lw=0.8)
         )
-        ax.text(x + 0.1, y + h - 0.12, f"node {node}", fontsize=8, va="top", color="#444444")
+        ax.text(x + 0.1, y + h - 0.12, f"node {_short(node)}", fontsize=8, va="top", color="#444444")
     for p in plan.processes:
         cx, cy = pos[p.id]
         ax.text(
@@ -220,3 +220,9 @@ def _draw_edges(ax: Any, plan: SyncPlan, pos: dict[str, tuple[float, float]]) ->
                 zorder=5,
                 bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85},
             )
+
+
+def _short(node: str) -> str:
+    """A Ray node id is 56 hex digits: its first 8 tell nodes apart in a picture."""
+    hexdigits = set("0123456789abcdef")
+    return f"{node[:8]}…" if len(node) > 16 and set(node) <= hexdigits else node
