@@ -255,6 +255,7 @@ def channel_claims(cfg: dict[str, Any], memcpy: float | None, dry: bool) -> dict
     log(f"worker ipc: writer {writer}")
     log(f"worker ipc: readers {readers}")
     failed = [r["failed"] for r in readers]
+    at_once = all(f["seconds"] < cfg["deadline"] / 2 for f in failed)  # told, not timed out
     gbps = writer["tensor_bytes"] / statistics.median(writer["times"]) / 1e9
     log(f"worker ipc: {gbps:.1f} GB/s (tensor bytes / median send to both readers)")
     return {
@@ -265,6 +266,7 @@ def channel_claims(cfg: dict[str, Any], memcpy: float | None, dry: bool) -> dict
             writer["failed"]["type"] == "LayoutMismatchError"
             and writer["closed"]
             and writer["new_channel"]
+            and at_once
             and all(f["type"] == "PeerLostError" and "closed by its sender" in f["message"] for f in failed)
             and all(r["kept_exact"] and r["left"] and r["next_exact"] for r in readers)
         ),
