@@ -89,6 +89,13 @@ def _wait_for_file(path: str, seconds: float = 120.0) -> str:
         return fh.read()
 
 
+def _publish_name(path: str, name: str) -> None:
+    """Write a channel's name where the other processes wait for it (atomically)."""
+    with open(path + ".tmp", "w") as fh:
+        fh.write(name)
+    os.replace(path + ".tmp", path)
+
+
 def _timed_send(sender: Any, state: Any, version: int, deadline: float) -> float:
     start = time.perf_counter()
     sender.send(state, version, deadline)
@@ -112,10 +119,7 @@ def ipc_sender(cfg: Mapping[str, Any]) -> dict[str, Any]:
         return _timed_send(sender, states[_seed(version)], version, deadline)
 
     with CudaIpcSender(layout, 1, backend=cfg["backend"]) as sender:
-        tmp = cfg["path"] + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(sender.name)
-        os.replace(tmp, cfg["path"])
+        _publish_name(cfg["path"], sender.name)
         in_place = [send(v) for v in range(1, reps + 2)]
         send(reps + 2)
         try:

@@ -7,12 +7,18 @@ Run on a GPU machine (CuPy installed: the ``[cuda12]`` / ``[cuda13]`` extra), wi
 What it checks (each a claim; bit-exact ones have target 1, figures are reported):
   memcpy       device-to-device copy of the model's bytes (torch): the reference bandwidth;
   cuda ipc     two processes, `CudaIpcSender` -> `CudaIpcReceiver` over GPU slots shared by IPC
-               handle: versions applied in place ("None"), then into a `DoubleBuffer` on the GPU
-               (the same-node GPU endpoint: policygroup has no CUDA IPC endpoint yet, so this is
-               its level), with one version whose consumer fails after queueing a side-stream
-               read of its slot (nothing applied; the read sees that version's bytes, so the
-               receiver waited for the device before releasing the slot); reader bytes compared
-               with a fresh copy; bandwidth against memcpy;
+               handle: versions applied in place ("None"), then into a `DoubleBuffer` on the GPU,
+               with one version whose consumer fails after queueing a side-stream read of its
+               slot (nothing applied; the read sees that version's bytes, so the receiver waited
+               for the device before releasing the slot); reader bytes compared with a fresh
+               copy; bandwidth against memcpy;
+  worker ipc   policygroup's same-node GPU path at its endpoint level, without Ray: a writer's
+               `WorkerWeights.ipc_channel` / `ipc_send` to two reader processes whose
+               `ipc_receive` lands in a "Double" and a "None" endpoint on the GPU (what a sync
+               plan's "cuda_ipc" step runs); several versions through one reused channel, bit-exact
+               against a fresh copy; a version that fails on the writer closes the channel, the
+               readers fail at once (PeerLostError) keeping the previous version, and the next
+               version goes through a new channel; bandwidth against memcpy;
   nccl         a one-rank communicator through CuPy's real API and the protocol's bucket loop
                (wire bytes, tensors untouched), rebuilt on the same store and name, and an init
                whose second rank never comes, which must end at its deadline naming it;
@@ -21,7 +27,7 @@ What it checks (each a claim; bit-exact ones have target 1, figures are reported
 Every step runs under a timeout (children are killed), the whole script under an alarm, and a
 failed step is a missed claim with a one-line error in the table (tracebacks after it). Exit
 status: 0 when every claim holds, 1 otherwise. Without CUDA it reports every claim skipped and
-exits 0; ``--cpu-dry-run`` runs the IPC (host slots) and offload parts on the CPU instead, to
+exits 0; ``--cpu-dry-run`` runs the IPC parts (host slots) and offload on the CPU instead, to
 check this script where no GPU is.
 """
 
@@ -38,6 +44,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from _claims import Claim, arguments, claim, report
+from _gpu_check_channel import READERS, channel_double, channel_none, channel_writer
 from _gpu_check_parts import ipc_reader, ipc_sender, nccl_child, offload_check
 from _state import GiB, MiB, gpu_model_spec
 
@@ -51,6 +58,9 @@ CLAIMS: dict[str, tuple[float | None, str]] = {
     "cuda_ipc_double_buffer_bit_exact": (1, YES),
     "cuda_ipc_sync_over_memcpy": (None, "x memcpy"),
     "cuda_ipc_double_buffer_over_memcpy": (None, "x memcpy"),
+    "worker_ipc_channel_bit_exact": (1, YES),
+    "worker_ipc_channel_failure_keeps_previous": (1, YES),
+    "worker_ipc_channel_over_memcpy": (None, "x memcpy"),
     "nccl_bucket_loop_ok": (1, YES),
     "nccl_rebuild_same_name_ok": (1, YES),
     "nccl_init_bounded": (1, YES),
@@ -64,6 +74,7 @@ GPU_ONLY = {
     "cuda_ipc_failed_read_settled",
     "cuda_ipc_sync_over_memcpy",
     "cuda_ipc_double_buffer_over_memcpy",
+    "worker_ipc_channel_over_memcpy",
     "nccl_bucket_loop_ok",
     "nccl_rebuild_same_name_ok",
     "nccl_init_bounded",
@@ -235,6 +246,34 @@ def ipc_claims(cfg: dict[str, Any], memcpy: float | None, dry: bool) -> dict[str
     return out
 
 
+def channel_claims(cfg: dict[str, Any], memcpy: float | None, dry: bool) -> dict[str, Claim]:
+    bodies = {"writer": channel_writer, "double": channel_double, "none": channel_none}
+    with tempfile.TemporaryDirectory(prefix="rlfleet-gpucheck-") as tmp:
+        cfg = {**cfg, "path": os.path.join(tmp, "channel")}
+        res = run_children(bodies, cfg, timeout=cfg["timeout"])
+    writer, readers = res["writer"], [res["double"], res["none"]]
+    log(f"worker ipc: writer {writer}")
+    log(f"worker ipc: readers {readers}")
+    failed = [r["failed"] for r in readers]
+    at_once = all(f["seconds"] < cfg["deadline"] / 2 for f in failed)  # told, not timed out
+    gbps = writer["tensor_bytes"] / statistics.median(writer["times"]) / 1e9
+    log(f"worker ipc: {gbps:.1f} GB/s (tensor bytes / median send to both readers)")
+    return {
+        "worker_ipc_channel_bit_exact": yes(
+            writer["reused"] and all(r["first_exact"] and r["last_exact"] for r in readers)
+        ),
+        "worker_ipc_channel_failure_keeps_previous": yes(
+            writer["failed"]["type"] == "LayoutMismatchError"
+            and writer["closed"]
+            and writer["new_channel"]
+            and at_once
+            and all(f["type"] == "PeerLostError" and "closed by its sender" in f["message"] for f in failed)
+            and all(r["kept_exact"] and r["left"] and r["next_exact"] for r in readers)
+        ),
+        "worker_ipc_channel_over_memcpy": ratio("worker_ipc_channel_over_memcpy", gbps, memcpy, dry),
+    }
+
+
 def nccl_claims(cfg: dict[str, Any], memcpy: float) -> dict[str, Claim]:
     res = run_children({"nccl": nccl_child}, cfg, timeout=cfg["timeout"])["nccl"]
     log(f"nccl: {res}")
@@ -317,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         f"cuda ipc: {total / GiB:.2f} GiB in {bucket // MiB} MiB buckets, 2 processes, {cfg['backend']} slots"
     )
     steps.run([n for n in CLAIMS if n.startswith("cuda_ipc")], lambda: ipc_claims(cfg, memcpy, dry))
+    log(f"worker ipc: WorkerWeights channel, 3 processes, endpoints {'/'.join(READERS)}")
+    steps.run([n for n in CLAIMS if n.startswith("worker_ipc")], lambda: channel_claims(cfg, memcpy, dry))
     if not dry and memcpy is not None:
         log("nccl: one-rank communicator, real API and bucket loop; bounded init")
         steps.run([n for n in CLAIMS if n.startswith("nccl")], lambda: nccl_claims(cfg, memcpy or 1.0))
