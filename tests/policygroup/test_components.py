@@ -1,89 +1,20 @@
-"""The policy group's parts on their own, in one process: checkpoints, offload, timings, device
-facts, the group's sync plan and call failure classification (the Ray paths are in test_cluster)."""
+"""The policy group's parts on their own, in one process: the group's sync plan and call failure
+classification (the Ray paths are in test_cluster; the worker's components are weightsync's and
+tested in tests/weightsync/test_worker_components.py)."""
 
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from pg_policies import MLPPolicy
 
 from rlfleet.placement import plan_sync
 from rlfleet.policygroup import PolicyConfig, PolicyGroupError, PolicyRole, WeightBufferConfig
 from rlfleet.policygroup._calls import Calls, Roster, vagueness
-from rlfleet.policygroup._checkpoint import Checkpoints
-from rlfleet.policygroup._device import Timings, device_id, device_info
-from rlfleet.policygroup._offload import Offload
 from rlfleet.policygroup._sync_plan import Processes, plan_for
 from rlfleet.policygroup._sync_wiring import changed_nodes
-from rlfleet.weightsync import LayoutMismatchError, checksum
-
-
-def test_checkpoints_are_whole_and_a_failed_background_write_is_reported(tmp_path: Path) -> None:
-    store = Checkpoints()
-    state = {"model": {"w": torch.arange(6.0)}, "version": 3}
-    path = str(tmp_path / "a" / "ckpt.pt")
-    assert store.save(state, path) == path
-    assert Checkpoints.load(path)["version"] == 3
-    assert os.listdir(tmp_path / "a") == ["ckpt.pt"]  # the temporary file was renamed over it
-    blocked = tmp_path / "file"
-    blocked.write_text("not a directory")
-    store.save(state, str(blocked / "ckpt.pt"), async_save=True)
-    with pytest.raises(RuntimeError, match="async checkpoint failed"):
-        store.finalize(30.0)
-    store.finalize(30.0)  # reported once
-
-
-def test_offload_on_cpu_records_state_and_keeps_weights() -> None:
-    policy = MLPPolicy(PolicyConfig(), role="train")
-    policy.init_train()
-    before = checksum(policy.model.state_dict())
-    offload = Offload(torch.device("cpu"))
-    offload.params_and_grads(policy.model, True, grads=False)
-    offload.optimizer(policy.optimizer, True)
-    assert offload.state() == {"model": True, "optimizer": True, "grad": False}
-    offload.model(policy.model, False, pinned_in_place=True)
-    offload.optimizer(policy.optimizer, False)
-    assert offload.state() == {"model": False, "optimizer": False, "grad": False}
-    assert checksum(policy.model.state_dict()) == before
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_offload_on_gpu_is_synchronized_before_host_reads() -> None:
-    """Non-blocking copies to host memory: the call returns only once they landed."""
-    module = torch.nn.Linear(2048, 2048).cuda()
-    expected = module.weight.detach().cpu().clone()
-    offload = Offload(torch.device("cuda"))
-    offload.params_and_grads(module, True)
-    assert module.weight.device.type == "cpu"
-    assert torch.equal(module.weight.detach(), expected)  # read at once: the copy is complete
-    offload.params_and_grads(module, False)
-    assert module.weight.device.type == "cuda"
-
-
-def test_timings_count_and_reset(capsys: Any) -> None:
-    timings = Timings()
-    start = time.perf_counter()
-    timings.add("rollout", start)
-    timings.add("rollout", start)
-    summary = timings.summary("eval0", reset=True)
-    assert summary["rollout"]["count"] == 2
-    assert summary["rollout"]["total_s"] >= summary["rollout"]["mean_s"] >= 0
-    assert "[eval0] rollout: n=2" in capsys.readouterr().out
-    assert timings.summary("eval0") == {}
-
-
-def test_device_facts_on_cpu() -> None:
-    info = device_info(torch.device("cpu"), 1234)
-    assert info["device"] == "cpu"
-    assert info["memory_allocated"] == 1234
-    assert info["total_memory"] >= info["free_memory"] > 0
-    assert device_id(torch.device("cpu")).startswith("CPU-")
+from rlfleet.weightsync import LayoutMismatchError
 
 
 def _processes(strategy: str, n_train: int = 2) -> tuple[list[Any], list[Any], Processes]:

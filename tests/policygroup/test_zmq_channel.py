@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from rlfleet.policygroup import BasePolicy, PolicyConfig, RefitChannelError
-from rlfleet.policygroup._zmq_channel import RefitChannel
-from rlfleet.weightsync import SyncTimeoutError
+from rlfleet.weightsync import RefitChannel, SyncTimeoutError
 
 pytest.importorskip("zmq")
 PEER = Path(__file__).with_name("zmq_peer.py")
@@ -156,4 +155,4 @@ def test_without_pyzmq_the_calls_name_the_extra() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     lines = out.stdout.splitlines()
     assert len(lines) == 2, out.stderr
-    assert all('pip install "rlfleet-policygroup[zmq]"' in line for line in lines)
+    assert all('pip install "rlfleet-weightsync[zmq]"' in line for line in lines)

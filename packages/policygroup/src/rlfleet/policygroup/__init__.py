@@ -11,11 +11,8 @@ from rlfleet.policygroup._config import (
     TrainConfig,
     WeightBufferConfig,
 )
-from rlfleet.policygroup._engines import RolloutEngines
 from rlfleet.policygroup._errors import (
-    CommGroupError,
     PolicyGroupError,
-    RefitChannelError,
     TaskTimeoutError,
     TrainWorkerDiedError,
     WorkerDiedError,
@@ -24,7 +21,9 @@ from rlfleet.policygroup._group import PolicyGroup
 from rlfleet.policygroup._submitter import TaskSubmitter  # the seed's submitter, for users' own actors
 from rlfleet.policygroup._sync import SyncOutcome
 from rlfleet.policygroup._worker import BasePolicy, PolicyRole
-from rlfleet.policygroup._worker_comm import ParallelMode
+
+# a worker's components are weightsync's; these are the names a policy-group user meets
+from rlfleet.weightsync import CommGroupError, ParallelMode, RefitChannelError, RolloutEngines
 
 __all__ = [
     "BUFFER_STRATEGIES",

@@ -14,7 +14,8 @@ from typing import Any
 import ray
 
 from rlfleet.placement import CommGroupPlan
-from rlfleet.policygroup._errors import CommGroupError, WorkerDiedError
+from rlfleet.policygroup._errors import WorkerDiedError
+from rlfleet.weightsync import CommGroupError
 
 
 def _describe(plan: CommGroupPlan, rank: int, names: Mapping[Any, str]) -> str:

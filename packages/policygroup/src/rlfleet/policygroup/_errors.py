@@ -1,4 +1,9 @@
-"""Errors the policy group raises; each names the worker, rank or step at fault."""
+"""Errors the policy group raises; each names the worker, rank or step at fault.
+
+A worker's own components are weightsync's, and so are their errors: `CommGroupError` (a
+communication group could not be formed) and `RefitChannelError` are `WeightSyncError`s,
+re-exported by this package.
+"""
 
 from __future__ import annotations
 
@@ -20,17 +25,5 @@ class TrainWorkerDiedError(WorkerDiedError):
     """A trainer died: training state is lost, the group cannot go on silently."""
 
 
-class CommGroupError(PolicyGroupError):
-    """A communication group could not be formed (a rank did not join in time, or failed)."""
-
-    def __init__(self, message: str, missing_ranks: tuple[int, ...] = ()) -> None:
-        super().__init__(message)
-        self.missing_ranks = missing_ranks
-
-
 class TaskTimeoutError(PolicyGroupError, TimeoutError):
     """A call on a policy did not finish within its deadline."""
-
-
-class RefitChannelError(PolicyGroupError):
-    """The refit control channel refused a message (not one JSON object) or is closed."""

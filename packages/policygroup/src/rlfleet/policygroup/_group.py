@@ -29,9 +29,8 @@ from rlfleet.policygroup._submitter import TaskSubmitter, is_remote
 from rlfleet.policygroup._sync import SyncOutcome, WeightSync
 from rlfleet.policygroup._sync_plan import Processes
 from rlfleet.policygroup._worker import PolicyRole
-from rlfleet.policygroup._worker_comm import ParallelMode
 from rlfleet.routing import Router
-from rlfleet.weightsync import compare_fingerprints
+from rlfleet.weightsync import ParallelMode, compare_fingerprints
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from rlfleet.policygroup._calls import Calls, Policy
 from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup._sync_plan import Processes
-from rlfleet.policygroup._worker_comm import ParallelMode
+from rlfleet.weightsync import ParallelMode
 
 BROADCASTS = ("broadcast", "p2p")
 

@@ -2,11 +2,11 @@
 
 A user subclasses it and supplies the model (`build_model`), the rollout step (`rollout_step`)
 and the training step (`train_step`). The rest is delegated to small components, each with its
-own module: communication groups (`_worker_comm`), the calls of a weight sync and the
-weightsync endpoint versions arrive through (`_worker_sync`), device facts and profiling
-(`_device`), checkpoints
-(`_checkpoint`), offload (`_offload`) and NeMo's reshard calls (`_reshard`). It works the same
-as a local object and as a Ray actor.
+one from weightsync: communication groups (`CommGroupCalls`), the calls of a weight sync and
+the endpoint versions arrive through (`WeightCalls`), NeMo RL's refit calls (`RefitCalls`),
+device facts and profiling, checkpoints and offload; NeMo's reshard calls (`_reshard`, which
+plans with rlfleet.placement) and where the worker runs on Ray (`_device`) are this package's.
+It works the same as a local object and as a Ray actor.
 """
 
 from __future__ import annotations
@@ -22,20 +22,27 @@ from typing import Any
 import torch
 
 from rlfleet.policygroup import _device
-from rlfleet.policygroup._checkpoint import Checkpoints
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
 from rlfleet.policygroup._errors import WorkerDiedError
-from rlfleet.policygroup._offload import Offload
-from rlfleet.policygroup._refit import RefitCalls
 from rlfleet.policygroup._reshard import ReshardWorkerMixin
-from rlfleet.policygroup._worker_comm import CommGroupCalls, WorkerComm
-from rlfleet.policygroup._worker_sync import WeightCalls
 from rlfleet.weightsync import (
+    Checkpoints,
+    CommGroupCalls,
     Layout,
+    Offload,
+    Profiler,
+    RefitCalls,
     ServingLock,
+    Timings,
+    WeightCalls,
+    WorkerComm,
     WorkerWeights,
     checksum,
+    device_id,
+    device_info,
     fingerprint,
+    free_memory,
+    reset_peak_memory,
 )
 
 
@@ -56,6 +63,8 @@ class BasePolicy(CommGroupCalls, WeightCalls, ReshardWorkerMixin, RefitCalls):
     group drives it either way. A rollout worker receives weights through one weightsync
     endpoint ("None", "Double", "Shared" or "Sharded"); a request never sees half a version.
     """
+
+    config: PolicyConfig  # the mixins need only weightsync's `WorkerSettings` of it
 
     def __init__(
         self,
@@ -86,7 +95,7 @@ class BasePolicy(CommGroupCalls, WeightCalls, ReshardWorkerMixin, RefitCalls):
         self._serve = ServingLock()  # rollouts share it; a weight swap takes it exclusively
         self._count_lock = threading.Lock()
         self._num_requests = 0
-        self._timings = _device.Timings()
+        self._timings = Timings()
         self._ref_model: torch.nn.Module | None = None
         self._comm = WorkerComm(self.config.group_timeout_s)
         c = self.config
@@ -100,7 +109,7 @@ class BasePolicy(CommGroupCalls, WeightCalls, ReshardWorkerMixin, RefitCalls):
         )
         self._checkpoints = Checkpoints()
         self._offload = Offload(self.device)
-        self._profiler = _device.Profiler()
+        self._profiler = Profiler()
         # Ray restarted this actor after a crash (max_restarts): calls queued for the dead process
         # arrive here, where the group's weights are gone, until the group connects us again
         self._restarted = _device.was_restarted()
@@ -291,6 +300,9 @@ class BasePolicy(CommGroupCalls, WeightCalls, ReshardWorkerMixin, RefitCalls):
     def is_alive(self) -> bool:
         return True
 
+    def _node_ip(self) -> str:
+        return _device.node_ip()
+
     def _get_node_id(self) -> str:
         return _device.node_id()
 
@@ -298,17 +310,17 @@ class BasePolicy(CommGroupCalls, WeightCalls, ReshardWorkerMixin, RefitCalls):
         return _device.gpu_ids()
 
     def reset_peak_memory_stats(self) -> None:
-        _device.reset_peak_memory(self.device)
+        reset_peak_memory(self.device)
 
     def get_gpu_info(self) -> dict[str, Any]:
         model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return _device.device_info(self.device, model_bytes)
+        return device_info(self.device, model_bytes, _device.node_id())
 
     def report_device_id(self) -> str:
-        return _device.device_id(self.device)
+        return device_id(self.device, _device.node_id())
 
     def get_free_memory_bytes(self) -> int:
-        return _device.free_memory(self.device)
+        return free_memory(self.device)
 
     def report_node_ip_and_gpu_id(self) -> tuple[str, int]:
         return _device.node_ip(), self._get_gpu_ids()[0] if self.device.type == "cuda" else -1

@@ -20,6 +20,9 @@ sorted by module, so this list is the map):
 - engines and streams: `LoadWeightsConsumer` (vLLM/SGLang `load_weights`), weight transforms,
   `feed` (a stream of (name, tensor) into any consumer), `full_tensors` (FSDP2, one parameter
   at a time), `WeightStream` (what every sender takes next to a state dict);
+- a worker's calls: mixins any worker class inherits (`CommGroupCalls`, `WeightCalls`,
+  `RefitCalls`, `ReshardCalls`, typed against `WorkerSettings`), and its checkpoints, offload
+  and device facts;
 - deadlines and watchdogs; integrity checks; offload; cost probes (`measure_copy_terms`); errors.
 """
 
@@ -27,6 +30,7 @@ from rlfleet.weightsync.__about__ import __version__
 from rlfleet.weightsync._assembly import Assembly, AssemblyPart
 from rlfleet.weightsync._block import adopt, flat_block
 from rlfleet.weightsync._buffers import BufferBase, DirectBuffer, DoubleBuffer, live_tensors
+from rlfleet.weightsync._checkpoint import Checkpoints
 from rlfleet.weightsync._consumers import DeferredCommit, DiscardingConsumer, module_part_buffer
 from rlfleet.weightsync._copy import copy_tensors, default_copy_threads
 from rlfleet.weightsync._cuda_ipc import ControlBlock, CudaIpcReceiver, CudaIpcSender
@@ -53,13 +57,16 @@ from rlfleet.weightsync._endpoints import (
     commit_consumer,
     create_endpoint,
 )
+from rlfleet.weightsync._engines import EngineRefit, RolloutEngines
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
+    CommGroupError,
     IncompleteSyncError,
     LayoutMismatchError,
     MetadataError,
     PartialLoadError,
     PeerLostError,
+    RefitChannelError,
     RendezvousTimeoutError,
     SlotsStillMappedError,
     SyncAbortedError,
@@ -96,6 +103,8 @@ from rlfleet.weightsync._packing import (
 from rlfleet.weightsync._probes import measure_copy_terms, probe_layout
 from rlfleet.weightsync._protocol import BucketConsumer
 from rlfleet.weightsync._recording import RecordingConsumer
+from rlfleet.weightsync._refit_calls import RefitCalls, transport_state
+from rlfleet.weightsync._refit_channel import RefitChannel, import_zmq
 from rlfleet.weightsync._rendezvous import (
     Roster,
     connect_store,
@@ -118,6 +127,7 @@ from rlfleet.weightsync._reshard import (
     TorchP2PWire,
     Transfer,
 )
+from rlfleet.weightsync._reshard_calls import ReshardCalls
 from rlfleet.weightsync._serving import ServingLock
 from rlfleet.weightsync._sharded import ShardedBuffer, balanced_ranges
 from rlfleet.weightsync._shared_buffer import SharedBuffer, SharedBufferReader
@@ -152,6 +162,24 @@ from rlfleet.weightsync._transforms import (
     plan_transforms,
 )
 from rlfleet.weightsync._wire_base import BucketTarget, SyncStats, TensorTarget
+from rlfleet.weightsync._worker_calls import WeightCalls
+from rlfleet.weightsync._worker_comm import (
+    CommGroupCalls,
+    ParallelMode,
+    WorkerComm,
+    member_group,
+)
+from rlfleet.weightsync._worker_device import (
+    Profiler,
+    Timings,
+    device_id,
+    device_info,
+    free_memory,
+    host_memory,
+    reset_peak_memory,
+)
+from rlfleet.weightsync._worker_host import BufferSettings, WorkerSettings
+from rlfleet.weightsync._worker_offload import Offload
 
 __all__ = [
     "ALIGNMENT",
@@ -172,8 +200,12 @@ __all__ = [
     "BucketSpec",
     "BucketTarget",
     "BufferBase",
+    "BufferSettings",
     "Cast",
+    "Checkpoints",
     "ChecksumMismatchError",
+    "CommGroupCalls",
+    "CommGroupError",
     "ControlBlock",
     "CudaIpcReceiver",
     "CudaIpcSender",
@@ -185,6 +217,7 @@ __all__ = [
     "DoubleBuffer",
     "DoubleEndpoint",
     "Drop",
+    "EngineRefit",
     "Fuse",
     "IncompleteSyncError",
     "IpcChannelReader",
@@ -199,18 +232,26 @@ __all__ = [
     "NcclReceiver",
     "NcclSender",
     "NcclWire",
+    "Offload",
     "OffloadStats",
     "P2PWire",
+    "ParallelMode",
     "PartialLoadError",
     "PeerGroup",
     "PeerLostError",
+    "Profiler",
     "RankProgram",
     "RecordingConsumer",
+    "RefitCalls",
+    "RefitChannel",
+    "RefitChannelError",
     "Rename",
     "RendezvousTimeoutError",
+    "ReshardCalls",
     "ReshardReceiver",
     "ReshardSender",
     "ReshardStats",
+    "RolloutEngines",
     "Roster",
     "ServingLock",
     "ShardedBuffer",
@@ -230,6 +271,7 @@ __all__ = [
     "TensorSpec",
     "TensorTarget",
     "TimedConsumer",
+    "Timings",
     "TorchP2PWire",
     "Transfer",
     "TransformChain",
@@ -243,10 +285,13 @@ __all__ = [
     "WatchedP2PWire",
     "WatchedWire",
     "WeightBufferStrategy",
+    "WeightCalls",
     "WeightEndpoint",
     "WeightStream",
     "WeightSyncError",
     "WeightTransform",
+    "WorkerComm",
+    "WorkerSettings",
     "WorkerWeights",
     "__version__",
     "adopt",
@@ -268,14 +313,19 @@ __all__ = [
     "create_endpoint",
     "current_deadline",
     "default_copy_threads",
+    "device_id",
+    "device_info",
     "dtype_from_name",
     "dtype_name",
     "feed",
     "fingerprint",
     "flat_block",
     "flat_views",
+    "free_memory",
     "full_tensors",
+    "host_memory",
     "host_store",
+    "import_zmq",
     "init_process_group_bounded",
     "install_termination_cleanup",
     "is_offloaded",
@@ -283,6 +333,7 @@ __all__ = [
     "layout_entries",
     "live_tensors",
     "measure_copy_terms",
+    "member_group",
     "module_part_buffer",
     "new_group_bounded",
     "offload_module",
@@ -295,7 +346,9 @@ __all__ = [
     "reload_module",
     "reload_optimizer",
     "reset_group_numbering",
+    "reset_peak_memory",
     "stand_down_armed_watchdogs",
+    "transport_state",
     "typed_view",
     "unpack_bucket_into",
 ]

@@ -94,3 +94,18 @@ class RendezvousTimeoutError(SyncTimeoutError):
     def __init__(self, message: str, missing: Sequence[int]) -> None:
         super().__init__(message)
         self.missing = list(missing)
+
+
+class CommGroupError(WeightSyncError):
+    """A communication group could not be formed (a rank did not join in time, or failed).
+
+    `missing_ranks` names the ranks that did not join, as data.
+    """
+
+    def __init__(self, message: str, missing_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+
+
+class RefitChannelError(WeightSyncError):
+    """The refit control channel refused a message (not one JSON object) or is closed."""

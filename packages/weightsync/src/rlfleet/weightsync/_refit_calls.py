@@ -1,12 +1,12 @@
-"""NeMo RL's refit surface of a worker, as a mixin for `BasePolicy`.
+"""NeMo RL's refit surface of a worker, as a mixin for a worker class (policygroup's `BasePolicy`).
 
 - `_refit_transport_state(key)`: the state each refit transport keeps between calls, one
   mutable dict per key, made on first use (the seed's worker has no constructor hook). Our
   transports keep it JSON-safe: "rollout_engines" (`connect_sglang_rollout_engines`, with the
   model-update group of `init_collective` it builds on), "nccl_reshard" and "zmq".
 - `connect_sglang_rollout_engines` / `refit_rollout_engines`: rollout engines, by GPU counts
-  and offsets, receive each version from the trainers over one group (`_engines`).
-- `maybe_init_zmq` / `get_zmq_address`: the refit control channel (`_zmq_channel`).
+  and offsets, receive each version from the trainers over one group (`EngineRefit`).
+- `maybe_init_zmq` / `get_zmq_address`: the refit control channel (`RefitChannel`).
 - `stand_down_refit_watchdog`: lift every refit deadline in flight in this process.
 """
 
@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from rlfleet.policygroup._config import PolicyConfig
-from rlfleet.policygroup._engines import EngineRefit, RolloutEngines
-from rlfleet.policygroup._errors import CommGroupError
-from rlfleet.policygroup._worker_comm import WorkerComm
-from rlfleet.policygroup._zmq_channel import RefitChannel, import_zmq
-from rlfleet.weightsync import WorkerWeights, stand_down_armed_watchdogs
+from rlfleet.weightsync._deadline import stand_down_armed_watchdogs
+from rlfleet.weightsync._endpoint_worker import WorkerWeights
+from rlfleet.weightsync._engines import EngineRefit, RolloutEngines
+from rlfleet.weightsync._errors import CommGroupError
+from rlfleet.weightsync._refit_channel import RefitChannel, import_zmq
+from rlfleet.weightsync._worker_comm import WorkerComm
+from rlfleet.weightsync._worker_host import WorkerSettings
 
 __all__ = ["RefitCalls", "transport_state"]
 
@@ -46,10 +47,11 @@ def _part(worker: Any, name: str, make: Any) -> Any:
 
 
 class RefitCalls:
-    """The refit calls of NeMo RL's policy worker, for `BasePolicy` to inherit."""
+    """The refit calls of NeMo RL's policy worker, for a worker class to inherit (policygroup's
+    `BasePolicy` does)."""
 
     # Provided by the host class (BasePolicy).
-    config: PolicyConfig
+    config: WorkerSettings
     device: torch.device
     model: torch.nn.Module
     _comm: WorkerComm
@@ -128,7 +130,7 @@ class RefitCalls:
         return channel
 
     def maybe_init_zmq(self) -> None:
-        """Bind the refit control channel if it is not bound yet (needs ``rlfleet-policygroup[zmq]``)."""
+        """Bind the refit control channel if it is not bound yet (needs ``rlfleet-weightsync[zmq]``)."""
         self._refit_channel()
 
     def get_zmq_address(self) -> str:

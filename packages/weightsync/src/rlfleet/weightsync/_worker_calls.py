@@ -1,7 +1,8 @@
 """A worker's part of a weight sync: the calls the driver makes for each step of a `SyncPlan`.
 
-`BasePolicy` inherits `WeightCalls`. Per step the driver calls one ``sync_*`` method on each
-process taking part (`_sync_run`): ``sync_publish`` (a trainer writes its node's buffer),
+A worker class inherits `WeightCalls` (policygroup's `BasePolicy` does). Per step the driver
+calls one ``sync_*`` method on each process taking part (policygroup's `_sync_run`):
+``sync_publish`` (a trainer writes its node's buffer),
 ``sync_send`` (a trainer broadcasts its share of the buckets), ``sync_receive`` (a rollout
 worker receives every broadcast addressed to it: one part per sender, assembled into one
 version under the two-phase commit), ``sync_stage`` (a rollout worker takes the version from
@@ -22,19 +23,16 @@ from typing import Any
 
 import torch
 
-from rlfleet.policygroup._config import PolicyConfig
-from rlfleet.policygroup._worker_comm import WorkerComm
-from rlfleet.weightsync import (
-    Deadline,
-    DiscardingConsumer,
-    ServingLock,
-    SharesReceiver,
-    SyncTimeoutError,
-    WeightEndpoint,
-    WorkerWeights,
-    measure_copy_terms,
-    probe_layout,
-)
+from rlfleet.weightsync._consumers import DiscardingConsumer
+from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._endpoint_worker import WorkerWeights
+from rlfleet.weightsync._endpoints import WeightEndpoint
+from rlfleet.weightsync._errors import SyncTimeoutError
+from rlfleet.weightsync._probes import measure_copy_terms, probe_layout
+from rlfleet.weightsync._serving import ServingLock
+from rlfleet.weightsync._shares import SharesReceiver
+from rlfleet.weightsync._worker_comm import WorkerComm
+from rlfleet.weightsync._worker_host import WorkerSettings
 
 Timed = dict[str, Any]
 
@@ -66,7 +64,7 @@ class WeightCalls:
     """Receiving, staging, applying and sending weights (the host class is `BasePolicy`)."""
 
     # Provided by the host class (BasePolicy).
-    config: PolicyConfig
+    config: WorkerSettings
     model: torch.nn.Module
     _comm: WorkerComm
     _serve: ServingLock

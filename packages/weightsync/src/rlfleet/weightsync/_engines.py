@@ -23,18 +23,11 @@ from typing import Any
 
 import torch
 
-from rlfleet.policygroup._errors import CommGroupError
-from rlfleet.policygroup._worker_comm import member_group
-from rlfleet.weightsync import (
-    DiscardingConsumer,
-    Layout,
-    PeerLostError,
-    SyncAbortedError,
-    SyncTimeoutError,
-    SyncWatch,
-    WatchedBroadcastReceiver,
-    WatchedBroadcastSender,
-)
+from rlfleet.weightsync._consumers import DiscardingConsumer
+from rlfleet.weightsync._errors import CommGroupError, PeerLostError, SyncAbortedError, SyncTimeoutError
+from rlfleet.weightsync._layout import Layout
+from rlfleet.weightsync._sync_watch import SyncWatch, WatchedBroadcastReceiver, WatchedBroadcastSender
+from rlfleet.weightsync._worker_comm import member_group
 
 __all__ = ["EngineRefit", "RolloutEngines"]
 

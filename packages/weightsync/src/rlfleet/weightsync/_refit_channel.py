@@ -6,7 +6,7 @@ private (0700) directory of its own, or on loopback TCP, never on another interf
 connects a REP socket to `RefitChannel.address` and answers each request. Every frame, both
 ways, is one JSON object: no pickle, so a peer's bytes can never run code here; a reply that is
 not exactly one JSON object is refused with `RefitChannelError`. pyzmq is an optional extra
-(``rlfleet-policygroup[zmq]``); without it the calls raise an ImportError that names it.
+(``rlfleet-weightsync[zmq]``); without it the calls raise an ImportError that names it.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from rlfleet.policygroup._errors import RefitChannelError
-from rlfleet.weightsync import Deadline, SyncTimeoutError
+from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._errors import RefitChannelError, SyncTimeoutError
 
 __all__ = ["RefitChannel", "import_zmq"]
 
-ZMQ_EXTRA = "rlfleet-policygroup[zmq]"
+ZMQ_EXTRA = "rlfleet-weightsync[zmq]"
 TRANSPORTS = ("ipc", "tcp")
 DEFAULT_TIMEOUT_S = 120.0  # NeMo RL's socket timeouts
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # handles and manifests, not weights: a larger frame is refused

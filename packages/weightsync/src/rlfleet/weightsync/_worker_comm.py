@@ -15,28 +15,19 @@ from __future__ import annotations
 import contextlib
 import datetime
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlfleet.policygroup._config import PolicyConfig
-from rlfleet.policygroup._device import node_ip
-from rlfleet.policygroup._errors import CommGroupError
-from rlfleet.weightsync import (
-    BroadcastReceiver,
-    BroadcastSender,
-    Deadline,
-    Layout,
-    MemberGroup,
-    RendezvousTimeoutError,
-    SyncTimeoutError,
-    connect_store,
-    host_store,
-    join_generation,
-    new_group_bounded,
-)
+from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync._dist import BroadcastReceiver, BroadcastSender
+from rlfleet.weightsync._errors import CommGroupError, RendezvousTimeoutError, SyncTimeoutError
+from rlfleet.weightsync._layout import Layout
+from rlfleet.weightsync._member import MemberGroup
+from rlfleet.weightsync._rendezvous import connect_store, host_store, join_generation, new_group_bounded
+from rlfleet.weightsync._worker_host import WorkerSettings
 
 _c10d: Any = dist  # TCPStore / PrefixStore are not re-exported for mypy
 
@@ -260,18 +251,19 @@ class CommGroupCalls:
     inherits them; the Ray driver calls them by name)."""
 
     # Provided by the host class (BasePolicy).
-    config: PolicyConfig
+    config: WorkerSettings
     device: torch.device
     model: torch.nn.Module
     role: Any
     index: int
     model_update_group: Any
     _comm: WorkerComm
+    _node_ip: Callable[[], str]  # this node's address (the host knows its cluster)
 
     def _get_addr_and_port(self, host: str | None = None) -> tuple[str, int]:
         """Host a fresh rendezvous store here (the would-be rank 0); `host` overrides the node's
         address (127.0.0.1 when every node is on this machine)."""
-        return self._comm.host_store(host or node_ip())
+        return self._comm.host_store(host or self._node_ip())
 
     def init_distributed_env(
         self,
