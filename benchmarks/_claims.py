@@ -11,11 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 Claim = dict[str, Any]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now, for a benchmark's rendezvous store."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def claim(value: float, target: float | None, unit: str, *, higher_is_better: bool = True) -> Claim:

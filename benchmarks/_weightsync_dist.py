@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import sys
 import time
 import traceback
@@ -65,7 +64,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from _claims import arguments, claim, report
+from _claims import arguments, claim, free_port, report
 from _state import GiB, MiB, build_state, model_spec
 
 
@@ -271,12 +270,6 @@ def _run(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any
     return {"times": times, "extra": extra, "total": total}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_processes(
     cfg: dict[str, Any], world: int, timeout: float, body: Callable[..., Any] | None = None
 ) -> dict[int, dict[str, Any]]:
@@ -286,7 +279,7 @@ def run_processes(
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world, port, cfg, queue, body), daemon=True)
         for r in range(world)

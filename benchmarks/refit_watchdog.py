@@ -18,7 +18,6 @@ and ``stand_down_seconds`` (one `stand_down_armed_watchdogs()` call with a refit
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import traceback
@@ -142,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 9  # best of 9: one refit of the quick model is milliseconds, noise otherwise decides
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _claims.free_port()
     procs = [ctx.Process(target=_entry, args=(r, port, queue, (args.quick, repeats))) for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 import time
 import traceback
@@ -40,7 +39,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from _claims import arguments, claim, report
+from _claims import arguments, claim, free_port, report
 
 MiB = 1024 * 1024
 TRAIN = {"tp": 2, "dp": 2}
@@ -224,9 +223,7 @@ def run_world(world: int, *args: Any, timeout: float = 1200.0) -> dict[int, Any]
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(run_rank, r, world, port, queue, args)) for r in range(world)]
     for p in procs:
         p.start()

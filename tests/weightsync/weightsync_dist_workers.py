@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from testkit import free_port
 
 from rlfleet.weightsync import Layout, RecordingConsumer, checksum
 
@@ -72,12 +72,6 @@ class FlakyMapping(Mapping[str, torch.Tensor]):
 
 
 # -- harness -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 _STORE_PORT: Any = None  # shared cell: the port rank 0's store actually bound (see `init`)
 
 
