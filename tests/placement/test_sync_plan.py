@@ -321,3 +321,24 @@ def test_nodes_of_one_machine_share_its_nics() -> None:
     assert SyncPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan  # the machine survives JSON
     with pytest.raises(SyncPlanError, match="machine"):
         SyncProcess("t0", "trainer", "n0", machine="")
+
+
+def test_a_cpu_broadcast_to_its_own_node_crosses_the_machines_tcp_stack() -> None:
+    """The seed's plan on one machine: t0's gloo broadcast to its own node's rollout workers goes
+    over loopback TCP, beside t1's broadcasts to the other nodes, so it delays them; NCCL on GPUs
+    moves the same-node copies over intra-node links, which the cross-node copies never use."""
+
+    def seed_plan(device: str, with_local: bool) -> SyncPlan:
+        procs = [T("t0", "n0", device), T("t1", "n1", device), R("r2", "n2", device), R("r3", "n3", device)]
+        if with_local:
+            procs += [R("r0", "n0", device), R("r1", "n0", device)]
+        procs = [dataclasses.replace(p, machine="m0") for p in procs]
+        return seed_sync_plan(procs, BUCKETS, "Double")
+
+    cpu_local, cpu_alone = seed_plan("cpu", True), seed_plan("cpu", False)
+    local_step = next(s for s in cpu_local.steps if s.src == "t0")
+    assert local_step.transport == "broadcast"
+    assert set(local_step.dst) == {"r0", "r1"}
+    assert cpu_local.predicted_seconds > 1.2 * cpu_alone.predicted_seconds
+    gpu_local, gpu_alone = seed_plan("cuda:0", True), seed_plan("cuda:0", False)
+    assert gpu_local.predicted_seconds == pytest.approx(gpu_alone.predicted_seconds, rel=0.05)

@@ -10,7 +10,8 @@ same code prices a plan and calibrates a model from measured phases:
 * wire: the step's bytes on its busiest resource, with every step of the same wave (steps
   that start together) loading the same resources: a node's NICs in and out (NCCL on GPUs
   spreads a broadcast's channels over all of a node's NICs and enters each node once; gloo on
-  CPUs sends from the root to each peer over one connection), or a process's intra-node link.
+  CPUs sends from the root to each peer over one TCP connection, a peer on the root's own node
+  through the machine's loopback), or a process's intra-node link.
   Plus one latency per hop.
 * land (slowest receiver): each tensor handled again (views bound, or applied), and the bytes
   it keeps copied once (its shard for a Sharded receiver; nothing for a "bind" reader).
@@ -101,21 +102,30 @@ def _resources(ctx: PlanContext, step: SyncStep) -> list[tuple[tuple[str, str], 
     nbytes = float(step.nbytes)
     if step.transport == "cuda_ipc":
         return [(("intra", d), nbytes, "intra", 1) for d in step.dst]
-    once = src.gpu or step.transport == "object_store"
+    if not (src.gpu or step.transport == "object_store"):
+        return _tcp_resources(ctx, step)
     local = [d for d in step.dst if procs[d].node == src.node]
-    remote: dict[str, int] = {}
-    for d in step.dst:
-        if procs[d].node != src.node:
-            remote[procs[d].node] = remote.get(procs[d].node, 0) + 1
-    out = [(("intra", d), nbytes, "intra", 1) for d in local]
-    if local:
-        out.append((("intra", step.src), nbytes * (1 if once else len(local)), "intra", 1))
+    remote = {procs[d].node for d in step.dst if procs[d].node != src.node}
+    out = [(("intra", d), nbytes, "intra", 1) for d in [*local, *([step.src] if local else [])]]
     if remote:
-        links = ctx.cost.nics_per_node if src.gpu and step.transport != "object_store" else 1
-        peers = {node: 1 if once else count for node, count in remote.items()}
-        out.append((("egress", src.host), nbytes * (1 if once else sum(peers.values())), "inter", links))
-        hosts = {node: ctx.host_of[node] for node in peers}  # nodes of one machine share its NICs
-        out.extend((("ingress", hosts[node]), nbytes * c, "inter", links) for node, c in peers.items())
+        links = ctx.cost.nics_per_node if step.transport != "object_store" else 1
+        out.append((("egress", src.host), nbytes, "inter", links))
+        hosts = {node: ctx.host_of[node] for node in remote}  # nodes of one machine share its NICs
+        out.extend((("ingress", hosts[node]), nbytes, "inter", links) for node in remote)
+    return out
+
+
+def _tcp_resources(ctx: PlanContext, step: SyncStep) -> list[tuple[tuple[str, str], float, str, int]]:
+    """A CPU broadcast (gloo): the root sends one copy to every peer over TCP, a peer on its own
+    node included (gloo has no shared-memory path: that copy crosses the machine's loopback, in
+    the same kernel network stack, on the same cores, as the copies that leave it)."""
+    nbytes, src = float(step.nbytes), ctx.procs[step.src]
+    peers: dict[str, int] = {}
+    for d in step.dst:
+        host = ctx.host_of[ctx.procs[d].node]
+        peers[host] = peers.get(host, 0) + 1
+    out = [(("egress", src.host), nbytes * len(step.dst), "inter", 1)]
+    out.extend((("ingress", host), nbytes * count, "inter", 1) for host, count in peers.items())
     return out
 
 

@@ -50,7 +50,7 @@ class RefitCalls:
     """The refit calls of NeMo RL's policy worker, for a worker class to inherit (policygroup's
     `BasePolicy` does)."""
 
-    # Provided by the host class (BasePolicy).
+    # Provided by the host class (see `WorkerSettings`; policygroup's `BasePolicy` is one).
     config: WorkerSettings
     device: torch.device
     model: torch.nn.Module

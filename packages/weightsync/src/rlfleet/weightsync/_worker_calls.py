@@ -61,9 +61,9 @@ def timed(fn: Callable[[], Any], phase: str | None = None) -> Timed:
 
 
 class WeightCalls:
-    """Receiving, staging, applying and sending weights (the host class is `BasePolicy`)."""
+    """Receiving, staging, applying and sending weights (for a worker class to inherit)."""
 
-    # Provided by the host class (BasePolicy).
+    # Provided by the host class (see `WorkerSettings`; policygroup's `BasePolicy` is one).
     config: WorkerSettings
     model: torch.nn.Module
     _comm: WorkerComm

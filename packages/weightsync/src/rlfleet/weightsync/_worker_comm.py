@@ -247,10 +247,10 @@ class WorkerComm:
 
 
 class CommGroupCalls:
-    """The seed's communication-group calls of a worker, over its `WorkerComm` (`BasePolicy`
-    inherits them; the Ray driver calls them by name)."""
+    """The seed's communication-group calls of a worker, over its `WorkerComm` (policygroup's `BasePolicy`
+    inherits them; its driver calls them by name)."""
 
-    # Provided by the host class (BasePolicy).
+    # Provided by the host class (see `WorkerSettings`; policygroup's `BasePolicy` is one).
     config: WorkerSettings
     device: torch.device
     model: torch.nn.Module
