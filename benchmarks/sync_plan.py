@@ -132,13 +132,22 @@ class Bench:
     def measure(self, group: Any) -> tuple[float, float, bool, Any]:
         """(median measured s, predicted s, every report matched its plan, the plan)."""
         plan = group.sync_plan
-        times, matched = [], True
+        times, matched, reports = [], True, []
         for _ in range(self.reps):
             group.train(None)
             report = group.sync_weights()
             matched &= bool(report is not None and report.ok and report.matches(plan))
             times.append(report.measured_seconds)
+            reports.append(report)
         assert group.verify_eval_weight_checksums()
+        median = sorted(reports, key=lambda r: r.measured_seconds)[len(reports) // 2]
+        for s in median.steps:  # where the time went, step by step, in the median sync
+            step = plan.steps[s.index]
+            phases = " ".join(f"{k} {v * 1e3:.1f}" for k, v in s.phases.items())
+            log(
+                f"  {step.transport} {step.src}->{len(step.dst)}: measured {s.measured_seconds * 1e3:.1f} ms "
+                f"({phases}), predicted {s.predicted_seconds * 1e3:.1f} ms"
+            )
         return statistics.median(times), plan.predicted_seconds, matched, plan
 
     def run_shape(
