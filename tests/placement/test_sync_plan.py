@@ -19,6 +19,8 @@ from rlfleet.placement import (
     SyncStep,
     build_transfer_info_for_colocated,
     build_transfer_info_for_disaggregated,
+    endpoint_needs,
+    nodes_to_rewire,
     plan_sync,
     seed_sync_plan,
     split_shares,
@@ -203,6 +205,25 @@ def test_diff_after_death_join_pop_and_convert() -> None:
     assert c.roles_changed == ("r0",)
     assert "role changed: r0" in c.summary()
     assert json.loads(json.dumps(c.to_dict()))["roles_changed"] == ["r0"]
+
+
+def test_nodes_to_rewire_are_the_nodes_whose_buffers_or_endpoints_changed() -> None:
+    base = plan_sync(cluster(2), BUCKETS, "Shared")
+    assert nodes_to_rewire(None, base) == set(base.nodes)  # nothing wired yet
+    assert nodes_to_rewire(base, base) == set()
+    popped = plan_sync([p for p in cluster(2) if p.id != "r5"], BUCKETS, "Shared")  # a reader of n2
+    assert nodes_to_rewire(base, popped) == {"n2"}
+    assert endpoint_needs(popped)["r4"]["buffer"] != endpoint_needs(base)["r4"]["buffer"]
+    assert nodes_to_rewire(base, plan_sync(cluster(2), BUCKETS, "Double")) == set(base.nodes)
+    shards = [T("t0", "n0"), R("r0", "n1", shard=(0, 2)), R("r1", "n1", shard=(1, 2))]
+    assert endpoint_needs(plan_sync(shards, BUCKETS, "Sharded"))["r1"]["shard"] == (1, 2)
+
+
+def test_groups_cover_every_step_that_runs_in_a_process_group() -> None:
+    procs = [T("t0", "n0"), T("t1", "n0"), R("r0", "n0"), R("r1", "n0")]
+    plan = seed_sync_plan(procs, BUCKETS, "Double", colocated=True)  # CPU: one p2p step per pair
+    assert {s.transport for s in plan.steps} == {"p2p"}
+    assert set(plan.groups()) == {(s.src, *s.dst) for s in plan.steps}
 
 
 @pytest.mark.parametrize("strategy", ["None", "Double", "Shared", "Sharded"])

@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 from pg_policies import MLPPolicy
 
-from rlfleet.placement import plan_sync
+from rlfleet.placement import nodes_to_rewire, plan_sync
 from rlfleet.policygroup import PolicyConfig, PolicyGroupError, PolicyRole, WeightBufferConfig
 from rlfleet.policygroup._calls import Calls, Roster, vagueness
 from rlfleet.policygroup._sync_plan import Processes, plan_for
-from rlfleet.policygroup._sync_wiring import changed_nodes
 from rlfleet.weightsync import LayoutMismatchError
 
 
@@ -88,9 +87,9 @@ def test_a_death_rebuilds_only_the_node_it_changed() -> None:
         weight_buffer=WeightBufferConfig(buffer_strategy="Shared", type="CPUWeightBuffer", bucket_bytes=1024)
     )
     again = plan_for(processes.sync_processes("Shared"), layout, config, False)
-    assert changed_nodes(plan, again) == {"C"}
-    assert changed_nodes(plan, plan) == set()
-    assert changed_nodes(None, plan) == {"A", "B", "C"}
+    assert nodes_to_rewire(plan, again) == {"C"}
+    assert nodes_to_rewire(plan, plan) == set()
+    assert nodes_to_rewire(None, plan) == {"A", "B", "C"}
     assert again.diff(plan).processes_removed == ("r3",)
 
 

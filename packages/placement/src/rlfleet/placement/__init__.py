@@ -42,8 +42,9 @@ from rlfleet.placement._seed import (
     build_transfer_info_for_colocated,
     build_transfer_info_for_disaggregated,
 )
-from rlfleet.placement._sync_diff import SyncPlanDiff
+from rlfleet.placement._sync_diff import SyncPlanDiff, endpoint_needs, nodes_to_rewire
 from rlfleet.placement._sync_plan import (
+    GROUP_TRANSPORTS,
     SYNC_STRATEGIES,
     TRANSPORTS,
     NodeBuffer,
@@ -62,6 +63,7 @@ __all__ = [
     "DEFAULT_STRIPE_BYTES",
     "DEVICE_KINDS",
     "DTYPE_SIZES",
+    "GROUP_TRANSPORTS",
     "HARDWARE_PROFILES",
     "INTRA_NODE",
     "LINEAR_PARAMS",
@@ -113,7 +115,9 @@ __all__ = [
     "build_transfer_info_for_colocated",
     "build_transfer_info_for_disaggregated",
     "cost_transfer_info",
+    "endpoint_needs",
     "lower_bound_seconds",
+    "nodes_to_rewire",
     "parse_nvidia_smi_topo",
     "pipeline_seconds",
     "place_colocated",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rlfleet.placement._sync_plan import NodeBuffer, SyncPlan, SyncStep
 
-__all__ = ["SyncPlanDiff", "diff_plans"]
+__all__ = ["SyncPlanDiff", "diff_plans", "endpoint_needs", "nodes_to_rewire"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,37 @@ class SyncPlanDiff:
             "strategy_changed": self.strategy_changed,
             "buckets_changed": self.buckets_changed,
         }
+
+
+def endpoint_needs(plan: SyncPlan) -> dict[str, dict[str, Any]]:
+    """Per rollout worker: what its receive endpoint depends on (its node, the node buffer it
+    writes or reads and how, its shard, the IPC channel it reads and among which readers)."""
+    needs: dict[str, dict[str, Any]] = {p.id: {"node": p.node} for p in plan.rollouts}
+    for buf in plan.node_buffers:
+        for pid in (*buf.readers, buf.writer):
+            if pid in needs:
+                needs[pid]["buffer"] = (buf.writer, len(buf.readers), buf.mode)
+    for p in plan.rollouts:
+        if p.shard is not None:
+            needs[p.id]["shard"] = p.shard
+    for step in plan.steps:
+        if step.transport == "cuda_ipc":
+            for pid in step.dst:
+                needs[pid]["ipc"] = (step.src, step.dst)
+    return needs
+
+
+def nodes_to_rewire(old: SyncPlan | None, new: SyncPlan) -> set[str]:
+    """Nodes of `new` whose node buffer or rollout endpoints an executor must rebuild, going from
+    `old` (None: nothing is wired yet) to `new`; every node when the layout or strategy changed."""
+    if old is None or old.layout_digest != new.layout_digest or old.strategy != new.strategy:
+        return set(new.nodes)
+    nodes = set(diff_plans(old, new).node_buffers_changed)
+    before = endpoint_needs(old)
+    for pid, need in endpoint_needs(new).items():
+        if before.get(pid) != need:
+            nodes.add(need["node"])
+    return nodes & set(new.nodes)
 
 
 def _buffers(plan: SyncPlan) -> dict[str, NodeBuffer]:

@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 TRANSPORTS: tuple[str, ...] = ("node_buffer", "broadcast", "cuda_ipc", "p2p", "object_store")
+GROUP_TRANSPORTS: tuple[str, ...] = ("broadcast", "p2p")  # the steps that run in a process group
 ROLES: tuple[str, ...] = ("trainer", "rollout")
 READ_MODES: tuple[str, ...] = ("bind", "copy")
 #: The weight-buffer strategies a sync plan serves (the seed's three plus "Sharded").
@@ -284,8 +285,9 @@ class SyncPlan:
         return tuple(s for s in self.steps if s.src == process_id or process_id in s.dst)
 
     def groups(self) -> tuple[tuple[str, ...], ...]:
-        """Broadcast groups to create, sender first, each once, in step order."""
-        return tuple(dict.fromkeys((s.src, *s.dst) for s in self.steps if s.transport == "broadcast"))
+        """Process groups to create (one per broadcast or p2p step's members), sender first, each
+        once, in step order."""
+        return tuple(dict.fromkeys((s.src, *s.dst) for s in self.steps if s.transport in GROUP_TRANSPORTS))
 
     def receives(self) -> dict[str, list[int]]:
         """Buckets each process receives, in step order (a rollout should get each bucket once)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.placement import SyncPlan, SyncReport
+from rlfleet.placement import SyncPlan, SyncReport, nodes_to_rewire
 from rlfleet.policygroup import _sync_run
 from rlfleet.policygroup._calls import Calls, Policy, died_itself, is_dead, vagueness
 from rlfleet.policygroup._config import PolicyConfig
@@ -25,7 +25,7 @@ from rlfleet.policygroup._errors import PolicyGroupError, TrainWorkerDiedError
 from rlfleet.policygroup._rollout import Rollouts
 from rlfleet.policygroup._submitter import is_remote
 from rlfleet.policygroup._sync_plan import Processes, ipc_mode, plan_for
-from rlfleet.policygroup._sync_wiring import Wiring, changed_nodes
+from rlfleet.policygroup._sync_wiring import Wiring
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class WeightSync:
             raise PolicyGroupError("send_weights: call init_placement_info() and init_weight_buffer() first")
         assert self.layout is not None
         if self.wired is not plan:
-            nodes = changed_nodes(self.wired, plan)
+            nodes = nodes_to_rewire(self.wired, plan)
             if self.wired is not None:
                 logger.info(
                     "[PolicyGroup] re-planned: %s; rewiring nodes %s",

@@ -31,11 +31,9 @@ from typing import Any
 
 import ray
 
-from rlfleet.placement import StepReport, SyncPlan, SyncReport, SyncStep
+from rlfleet.placement import GROUP_TRANSPORTS, StepReport, SyncPlan, SyncReport, SyncStep
 from rlfleet.policygroup._calls import Calls, Outcome, Policy
 from rlfleet.policygroup._errors import PolicyGroupError
-
-BROADCASTS = ("broadcast", "p2p")
 
 
 @dataclass
@@ -99,13 +97,13 @@ def start(
     previous: dict[str, int] = {}  # sender -> its last step so far
     parts: dict[str, list[SyncStep]] = {}
     for step in plan.steps:
-        if step.transport in BROADCASTS:
+        if step.transport in GROUP_TRANSPORTS:
             for d in step.dst:
                 parts.setdefault(d, []).append(step)
     last_part = {d: steps[-1].index for d, steps in parts.items()}
     for step in plan.steps:
         deps = run.waits[step.index] = run.deps(step, previous)
-        if step.transport in BROADCASTS:
+        if step.transport in GROUP_TRANSPORTS:
             gid, _ = _group(groups, step)
             buckets = None if len(step.buckets) == every else list(step.buckets)
             ref = invoke(policies[step.src], "sync_send", gid, version, buckets, deadline_at, *deps)

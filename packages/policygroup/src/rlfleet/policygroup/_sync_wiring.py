@@ -8,7 +8,8 @@ the plan (one per broadcast step's members, sender first) when the group is form
 a group the new plan needs is made among its members alone. After a worker died, joined, was
 popped or converted, `rewire` rebuilds only what `SyncPlan.diff` says changed (a node whose
 "cuda_ipc" readers changed too: releasing its workers' buffers closes their IPC channels, and
-the next sync's writer makes a channel for the new readers).
+the next sync's writer makes a channel for the new readers); placement's `nodes_to_rewire`
+says which nodes that is.
 """
 
 from __future__ import annotations
@@ -23,42 +24,6 @@ from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup._sync_plan import Processes
 from rlfleet.weightsync import ParallelMode
-
-BROADCASTS = ("broadcast", "p2p")
-
-
-def plan_groups(plan: SyncPlan) -> list[tuple[str, ...]]:
-    """Every group a plan's steps run in, sender first, each once."""
-    return list(dict.fromkeys((s.src, *s.dst) for s in plan.steps if s.transport in BROADCASTS))
-
-
-def endpoint_specs(plan: SyncPlan) -> dict[str, dict[str, Any]]:
-    """Per rollout worker: what its endpoint needs (node buffer role, shard, IPC channel)."""
-    specs: dict[str, dict[str, Any]] = {p.id: {"node": p.node} for p in plan.rollouts}
-    for buf in plan.node_buffers:
-        for pid in (*buf.readers, buf.writer):
-            if pid in specs:
-                specs[pid]["buffer"] = (buf.writer, len(buf.readers), buf.mode)
-    for p in plan.rollouts:
-        if p.shard is not None:
-            specs[p.id]["shard"] = p.shard
-    for step in plan.steps:  # a cuda_ipc reader: whose channel, among which readers
-        if step.transport == "cuda_ipc":
-            for pid in step.dst:
-                specs[pid]["ipc"] = (step.src, step.dst)
-    return specs
-
-
-def changed_nodes(old: SyncPlan | None, new: SyncPlan) -> set[str]:
-    """Nodes whose buffers or endpoints must be rebuilt going from `old` to `new`."""
-    if old is None or old.layout_digest != new.layout_digest or old.strategy != new.strategy:
-        return set(new.nodes)
-    nodes = set(new.diff(old).node_buffers_changed)
-    before, after = endpoint_specs(old), endpoint_specs(new)
-    for pid, spec in after.items():
-        if before.get(pid) != spec:
-            nodes.add(spec["node"])
-    return nodes & set(new.nodes)
 
 
 class Wiring:
@@ -138,11 +103,11 @@ class Wiring:
         by_pid = self.processes.by_pid()
         roster = self.processes.roster
         members = [p.id for p in plan.processes]
-        if self.processes.colocated and not plan_groups(plan) and plan.strategy != "Sharded":
+        if self.processes.colocated and not plan.groups() and plan.strategy != "Sharded":
             members = [self.processes.pid(p) for p in roster.train_list]  # trainers only, as the seed
         gpu = self.processes.gpu_of
         actors = [(pid, plan.process(pid).node, max(0, gpu[roster.wid(by_pid[pid])])) for pid in members]
-        transfer = [{"sender": g[0], "receiver": list(g[1:])} for g in plan_groups(plan)]
+        transfer = [{"sender": g[0], "receiver": list(g[1:])} for g in plan.groups()]
         trainers = [self.processes.pid(p) for p in roster.train_list]
         world = plan_comm_groups(actors, transfer, trainers, weight_buffer_strategy="Double")
         rank = {str(r.actor_id): r.rank for r in world.ranks}
@@ -160,13 +125,13 @@ class Wiring:
             world, {pid: by_pid[pid] for pid in members}, names, backend, self.config.group_timeout_s, extra
         )
         self.world, self._rank_of, self._made, self.groups = world, rank, {}, {}
-        for members_, g in zip(plan_groups(plan), world.weight_transfer_groups, strict=True):
+        for members_, g in zip(plan.groups(), world.weight_transfer_groups, strict=True):
             self.groups[members_] = (g.group_id, rank[members_[0]])
             self._made[g.ranks] = g.group_id
 
     def ensure_groups(self, plan: SyncPlan) -> None:
         """A member group for every group of `plan` that has none yet (after a re-plan)."""
-        missing = [g for g in plan_groups(plan) if g not in self.groups]
+        missing = [g for g in plan.groups() if g not in self.groups]
         if not missing:
             return
         if self.world is None:
