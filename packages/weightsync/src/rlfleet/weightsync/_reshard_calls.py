@@ -24,7 +24,7 @@ from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._endpoint_worker import WorkerWeights
 from rlfleet.weightsync._errors import CommGroupError
 from rlfleet.weightsync._member import MemberGroup
-from rlfleet.weightsync._refit_calls import transport_state
+from rlfleet.weightsync._refit_calls import DEFAULT_REFIT_TIMEOUT_S, transport_state
 from rlfleet.weightsync._rendezvous import connect_store
 from rlfleet.weightsync._reshard import PeerGroup, RankProgram, ReshardReceiver, ReshardSender, ReshardStats
 from rlfleet.weightsync._serving import ServingLock
@@ -32,8 +32,6 @@ from rlfleet.weightsync._sync_watch import SyncWatch, WatchedP2PWire
 from rlfleet.weightsync._worker_host import WorkerSettings
 
 __all__ = ["ReshardCalls", "ReshardState"]
-
-DEFAULT_REFIT_TIMEOUT_S = 120.0
 
 
 @dataclass
