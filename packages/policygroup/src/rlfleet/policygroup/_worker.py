@@ -1,11 +1,12 @@
 """`BasePolicy`: the worker side of a policy group (the seed's worker calls and NeMo RL's surface).
 
 A user subclasses it and supplies the model (`build_model`), the rollout step (`rollout_step`)
-and the training step (`train_step`). The rest is delegated to small components, each with its
-one from weightsync: communication groups (`CommGroupCalls`), the calls of a weight sync and
-the endpoint versions arrive through (`WeightCalls`), NeMo RL's refit calls (`RefitCalls`),
-device facts and profiling, checkpoints and offload; NeMo's reshard calls (`_reshard`, which
-plans with rlfleet.placement) and where the worker runs on Ray (`_device`) are this package's.
+and the training step (`train_step`). The rest is delegated to small components, most of them
+weightsync's: communication groups (`CommGroupCalls`), the calls of a weight sync and the
+endpoint versions arrive through (`WeightCalls`), NeMo RL's refit and reshard calls
+(`RefitCalls`, `ReshardCalls`), device facts and profiling, checkpoints and offload. This
+package adds the reshard planning (`_reshard`, with rlfleet.placement) and where the worker
+runs on Ray (`_device`).
 It works the same as a local object and as a Ray actor.
 """
 
