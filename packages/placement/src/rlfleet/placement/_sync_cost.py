@@ -106,7 +106,9 @@ def _resources(ctx: PlanContext, step: SyncStep) -> list[tuple[tuple[str, str], 
         return _tcp_resources(ctx, step)
     local = [d for d in step.dst if procs[d].node == src.node]
     remote = {procs[d].node for d in step.dst if procs[d].node != src.node}
-    out = [(("intra", d), nbytes, "intra", 1) for d in [*local, *([step.src] if local else [])]]
+    out = [(("intra", d), nbytes, "intra", 1) for d in local]
+    if local:  # one copy leaves the sender (an NCCL ring, or one fetch from the object store)
+        out.append((("intra", step.src), nbytes, "intra", 1))
     if remote:
         links = ctx.cost.nics_per_node if step.transport != "object_store" else 1
         out.append((("egress", src.host), nbytes, "inter", links))
