@@ -417,3 +417,31 @@ def test_accessors_are_properties_and_loads_call_still_works(make_router: MakeRo
         make_router(["a"], load_factor=0.9)
     with pytest.raises(ValueError, match="version_lag"):
         make_router(["a"], version_lag=-1)
+
+
+def test_drain_waits_for_every_worker_within_one_deadline_and_skips_removed_ones(
+    make_router: MakeRouter,
+) -> None:
+    r = make_router(["a", "b", "c"])
+    r.remove_worker("c")
+    r.assign(2)  # on "a" and "b"
+    busy = [w for w, n in r.loads.items() if n for _ in range(n)]
+    timer = threading.Timer(0.2, lambda: [r.release(w) for w in busy])
+    timer.start()
+    r.drain(["a", "b", "c"], timeout=30)  # "c" was removed: skipped
+    assert r.in_flight == 0  # drain returned only once both were released
+    timer.join()
+    assert [r.is_draining(w) for w in ("a", "b")] == [True, True]
+    with pytest.raises(NoWorkerAvailableError):
+        r.select(timeout=0)
+    r.undrain(["a", "b", "c"])
+    assert r.select(timeout=0) in {"a", "b"}
+
+
+def test_drain_that_times_out_leaves_its_workers_selectable(make_router: MakeRouter) -> None:
+    r = make_router(["a", "b"])
+    held = r.select()
+    with pytest.raises(DrainTimeoutError, match="still in flight"):
+        r.drain(["a", "b"], timeout=0.05)
+    assert [r.is_draining(w) for w in ("a", "b")] == [False, False]
+    r.release(held)

@@ -1,11 +1,9 @@
 """`PolicyGroup`: the seed's public API over local policy objects or Ray actor handles.
 
-A facade over small components: `_calls` (the roster, bounded calls, failure classification),
-`_rollout` (routing and dispatch), `_sync_plan` / `_sync` (where workers run, the `SyncPlan`
-placement makes for them, preparing and running it) and `_membership` (role changes, dropping
-dead workers). Placement and sync plans come from rlfleet.placement, routing decisions from
-rlfleet.routing, moving bytes from rlfleet.weightsync; this module holds the lock that orders
-membership, plans and versions.
+A facade over `_calls` (roster, bounded calls, failure classification), `_rollout` (routing and
+dispatch), `_sync_plan` / `_sync` (the `SyncPlan` placement makes, prepared and run) and
+`_membership` (role changes, dead workers); it holds the lock that orders membership, plans and
+versions.
 """
 
 from __future__ import annotations
@@ -36,13 +34,11 @@ logger = logging.getLogger(__name__)
 
 
 class PolicyGroup:
-    """Manager of trainers and rollout workers: placement, groups, weight sync, routing, roles.
+    """Trainers and rollout workers: placement, groups, weight sync, routing, roles.
 
-    Same public calls and arguments as the seed's `PolicyGroup`. Differences that matter:
-    weight syncs are versioned and, with "Double"/"Shared", applied as a rolling update (each
-    rollout worker drained only for its own swap); rollouts are routed with locally kept
-    in-flight counts and dispatched as one task per worker per batch; a dead rollout worker is
-    dropped from routing and from the sync's steps; every wait is bounded.
+    The seed's public calls and arguments. Weight syncs are versioned and, with "Double" /
+    "Shared", applied as a rolling update (each rollout worker drained only for its own swap);
+    a dead rollout worker is dropped from routing and from the sync's steps; every wait is bounded.
     """
 
     def __init__(
@@ -58,10 +54,8 @@ class PolicyGroup:
         """`placement`: the plan the workers were placed by; `owned_actors` and `placement_groups`:
         what `build_policy_group` created for this group, released by `shutdown`."""
         config.validate()
-        self.config = config
-        self.rollout_mode = config.rollout_mode
-        self.router_type = config.router_type
-        self.placement = placement
+        self.config, self.placement = config, placement
+        self.rollout_mode, self.router_type = config.rollout_mode, config.router_type
         self._roster = Roster(train_policy_list, eval_policy_list)
         self._eval_task_submitter = TaskSubmitter(config.eval_max_pending, config.rpc_timeout_s)
         self._train_task_submitter = TaskSubmitter(config.train_max_pending, config.rpc_timeout_s)
@@ -70,15 +64,7 @@ class PolicyGroup:
         self._calls = Calls(self._roster, config.rpc_timeout_s, self.check_liveness)
         self._rollouts = Rollouts(self._roster, config, self._eval_task_submitter)
         self._processes = Processes(self._roster, self._calls)
-        self._sync = WeightSync(
-            self._calls,
-            self._rollouts,
-            self._processes,
-            config,
-            self._uid,
-            self._refresh_members,
-            self._drop_eval,
-        )
+        self._sync = WeightSync(self._calls, self._rollouts, self._processes, config, self._uid)
         submitters = {
             PolicyRole.TRAIN: self._train_task_submitter,
             PolicyRole.EVAL: self._eval_task_submitter,
@@ -86,8 +72,8 @@ class PolicyGroup:
         self._members = Membership(
             self._calls, self._rollouts, self._sync, submitters, self._lock, self._rebuild
         )
-        self._owned_actors = list(owned_actors)
-        self._placement_groups = list(placement_groups)
+        self._sync.members = self._members  # drops dead rollout workers during a sync
+        self._owned_actors, self._placement_groups = list(owned_actors), list(placement_groups)
         logger.info("[PolicyGroup] Using router: %s", type(self.router).__name__)
 
     # ================================================================== the seed's attributes
@@ -184,13 +170,8 @@ class PolicyGroup:
             self._processes.colocated = is_colocated
             self._processes.locate(self.train_list + self.eval_list)
             if self.train_list:
-                size = self.config.weight_buffer.bucket_bytes
-                self._sync.layout = self._calls.call_all(self.train_list[:1], "get_weight_layout", size)[0]
+                self._sync.layout = self._sync.trainer_layout()
             self._sync.replan()
-            logger.info(
-                "placement_info: %s",
-                {str(k)[:12]: {r: len(v) for r, v in e.items()} for k, e in self.placement_info.items()},
-            )
 
     def init_weight_buffer(self) -> None:
         """Prepare every rollout worker to receive weights with the configured strategy."""
@@ -210,10 +191,8 @@ class PolicyGroup:
 
     # ================================================================== rollouts
     def rollout_batch(self, batched_env_ret: BatchedData[Any]) -> BatchedData[Any]:
-        """Route each request (env id as key) and dispatch one task per rollout worker per batch.
-
-        Returns BatchedData(ids, responses): ObjectRefs for actors, values for local policies.
-        """
+        """Route each request (env id as key), one task per rollout worker per batch; returns
+        BatchedData(ids, responses): ObjectRefs for actors, values for local policies."""
         self._members.purge_dead()
         return self._rollouts.rollout_batch(batched_env_ret)
 
@@ -269,10 +248,8 @@ class PolicyGroup:
         results = self._calls.gather(calls, timeout + 10.0, "wait_for_eval_weight_update")
         for i, ((p, _), (value, err)) in enumerate(zip(calls, results, strict=True)):
             if err is not None or not value:
-                name, why = self._roster.name(p), err or "timed out"
-                logger.warning(
-                    "[WeightConsistency] rollout worker %d (%s) weight update not done: %s", i, name, why
-                )
+                msg = "[WeightConsistency] rollout worker %d (%s) weight update not done: %s"
+                logger.warning(msg, i, self._roster.name(p), err or "timed out")
         return all(err is None and value for value, err in results)
 
     def eval_weight_versions(self) -> list[int]:
@@ -284,25 +261,20 @@ class PolicyGroup:
         if self.weight_buffer_strategy not in (None, "None"):
             self.wait_for_eval_weight_update()
         ref: dict[str, float] = self._calls.call_all(self.train_list[:1], "get_param_fingerprint")[0]
-        all_ok = True
-        for i, fp in enumerate(self._calls.call_all(self.eval_list, "get_param_fingerprint")):
-            problems = compare_fingerprints(ref, fp, rtol)
-            if problems:
-                all_ok = False
-                logger.warning(
-                    "[WeightConsistency] rollout worker %d has %d mismatched parameter(s): %s",
-                    i,
-                    len(problems),
-                    "; ".join(problems[:10]),
-                )
-        return all_ok
+        fingerprints = self._calls.call_all(self.eval_list, "get_param_fingerprint")
+        bad = {
+            i: found for i, fp in enumerate(fingerprints) if (found := compare_fingerprints(ref, fp, rtol))
+        }
+        for i, found in bad.items():
+            msg = "[WeightConsistency] rollout worker %d has %d mismatched parameter(s): %s"
+            logger.warning(msg, i, len(found), "; ".join(found[:10]))
+        return not bad
 
     def verify_eval_weight_checksums(self) -> bool:
         """Exact check: every rollout worker holds byte-identical weights to trainer 0."""
         ref = self._calls.call_all(self.train_list[:1], "get_weight_checksum")[0]
-        bad = [
-            i for i, s in enumerate(self._calls.call_all(self.eval_list, "get_weight_checksum")) if s != ref
-        ]
+        sums = self._calls.call_all(self.eval_list, "get_weight_checksum")
+        bad = [i for i, s in enumerate(sums) if s != ref]
         if bad:
             logger.warning("[WeightConsistency] rollout workers %s differ from trainer 0", bad)
         return not bad
@@ -321,10 +293,8 @@ class PolicyGroup:
         return [submit(p.update_dataset, d) for p, d in zip(self.train_list, sample_data, strict=True)]
 
     def train(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        calls = [
-            (p, finished(self._train_task_submitter.submit(p.train, *args, **kwargs)))
-            for p in self.train_list
-        ]
+        submit = self._train_task_submitter.submit
+        calls = [(p, finished(submit(p.train, *args, **kwargs))) for p in self.train_list]
         results = self._calls.gather(calls, self.config.rpc_timeout_s, "train")
         self._calls.raise_failures(self.train_list, results, "train")
         info: dict[str, float] = results[0][0]
@@ -394,18 +364,12 @@ class PolicyGroup:
         """Ping every worker; drop dead rollout workers (returned by name); a dead trainer raises."""
         return self._members.check_liveness(timeout)
 
-    def _refresh_members(self) -> list[str]:  # the sync's view of membership changes
-        return self._members.refresh()
-
-    def _drop_eval(self, policy: Policy, why: str) -> None:
-        self._members.drop(policy, why)
-
     # ================================================================== shutdown
     def shutdown(self) -> None:
         """Release node buffers on every worker; kill the actors and placement groups this group owns."""
         everyone = self.train_list + self.eval_list
         self._calls.gather(
-            [(p, self._calls.invoke(p, "release_weight_buffers")) for p in everyone], 30.0, "shutdown"
+            [(p, self._calls.invoke(p, "release_weight_buffers")) for p in everyone], 30, "shutdown"
         )
         for actor in self._owned_actors:
             with contextlib.suppress(Exception):

@@ -1,11 +1,9 @@
 """Membership: workers join or leave a role, trainers and rollout workers trade places, and a
-dead rollout worker is dropped.
+dead rollout worker is dropped (from the roster, routing and the sync's plan); a dead trainer
+is an error, its training state is lost.
 
-A converted worker keeps its weights; a rollout worker that becomes a trainer first takes the
-training state (model and optimizer) of trainer 0, so data-parallel training stays in step.
-Afterwards the group is rebuilt (placement, buffers, groups) and synced once, so every rollout
-worker serves the trainers' weights again. A dead rollout worker leaves the roster, routing,
-placement and the sync's steps; a dead trainer is an error (its training state is lost).
+A rollout worker that becomes a trainer first takes trainer 0's model and optimizer, so
+data-parallel training stays in step; after a conversion the group is rebuilt and synced once.
 """
 
 from __future__ import annotations
@@ -37,14 +35,10 @@ class Membership:
         rebuild: Callable[[], None],
     ) -> None:
         self.calls, self.roster, self.rollouts, self.sync = calls, calls.roster, rollouts, sync
-        self.processes = sync.processes
         self.node_of = sync.processes.node_of
-        self.submitters = submitters
-        self.lock = lock
-        self.rebuild = rebuild
+        self.submitters, self.lock, self.rebuild = submitters, lock, rebuild
 
     def push(self, policy: Policy, role: PolicyRole) -> None:
-        """Add a worker to a role (call the init_* steps again to connect it)."""
         role = PolicyRole(role)
         with self.lock:
             self.roster.policy_list[role].append(policy)
@@ -53,39 +47,32 @@ class Membership:
             self.sync.plan = None  # re-made (with the newcomer located) when next needed
 
     def pop(self, role: PolicyRole) -> Policy:
-        """Take the role's last worker out of the group, re-planned exactly as after a death; it
-        leaves its node buffers (it keeps its weights and is never written to again)."""
         role = PolicyRole(role)
         with self.lock:
             policy = self.roster.policy_list[role][-1]
             if role == PolicyRole.EVAL:
                 self.drop(policy, "popped")
             else:
-                self.roster.policy_list[role].pop()
-                self.submitters[role].forget(policy)
+                self._take(role, 1)
                 self.sync.forget(policy)
         self.calls.gather([(policy, self.calls.invoke(policy, "release_weight_buffers"))], 30.0, "pop")
         return policy
 
-    def _last(self, role: PolicyRole, num: int, what: str) -> list[Policy]:
-        """The last `num` workers of `role` (at least one must stay)."""
+    def _take(self, role: PolicyRole, num: int, what: str | None = None) -> list[Policy]:
+        """Take the role's last `num` workers out of it (with `what`: at least one must stay)."""
         members = self.roster.policy_list[role]
-        if not 0 < num < len(members):
+        if what is not None and not 0 < num < len(members):
             raise ValueError(
                 f"{what}({num}): have {len(members)} {ROLE_NAMES[role]}s, at least one must stay"
             )
-        return members[-num:]
-
-    def _take(self, role: PolicyRole, moved: list[Policy]) -> list[Policy]:
-        """Take `moved` (the role's last workers) out of `role`."""
-        self.roster.policy_list[role] = self.roster.policy_list[role][: -len(moved)]
+        moved = members[-num:]
+        self.roster.policy_list[role] = members[:-num]
         for p in moved:
             self.submitters[role].forget(p)
         return moved
 
     def train_to_eval(self, num: int) -> None:
-        """Turn the last `num` trainers into rollout workers."""
-        moved = self._take(PolicyRole.TRAIN, self._last(PolicyRole.TRAIN, num, "convert_train_to_eval"))
+        moved = self._take(PolicyRole.TRAIN, num, "convert_train_to_eval")
         base = len(self.roster.eval_list)
         self.calls.call_all(moved, "finalize_async_save")
         for i, p in enumerate(moved):
@@ -96,12 +83,12 @@ class Membership:
         self.rebuild()
 
     def eval_to_train(self, num: int) -> None:
-        """Turn the last `num` rollout workers into trainers, in step with trainer 0."""
-        moved = self._last(PolicyRole.EVAL, num, "convert_eval_to_train")
         if not self.roster.train_list:
             raise PolicyGroupError("convert_eval_to_train: no trainer to copy the training state from")
-        self.rollouts.drain(moved)
-        self._take(PolicyRole.EVAL, moved)
+        members = self.roster.eval_list
+        if 0 < num < len(members):
+            self.rollouts.drain(members[-num:])
+        moved = self._take(PolicyRole.EVAL, num, "convert_eval_to_train")
         for p in moved:
             self.rollouts.remove(p)
         state = self.calls.call_all(self.roster.train_list[:1], "get_training_state")[0]
@@ -115,7 +102,6 @@ class Membership:
 
     # -- faults -------------------------------------------------------------------------
     def check_liveness(self, timeout: float = 10.0) -> list[str]:
-        """Ping every worker; drop dead rollout workers (returned by name); a dead trainer raises."""
         everyone = self.roster.train_list + self.roster.eval_list
         calls = [(p, self.calls.invoke(p, "is_alive")) for p in everyone]
         dropped = []

@@ -1,11 +1,9 @@
 """Rollouts: requests routed to rollout workers (rlfleet.routing) and dispatched as Ray tasks.
 
-The router keeps the in-flight count of each worker locally: a request is counted when routed
-and released by a completion callback on its task (no RPC to every worker per batch, as the
-seed did). A batch becomes one task per worker with one return object per request. A worker
-whose task fails with an actor error is marked dead; the group drops it before its next call.
-Draining (for a weight swap or a role change) stops routing to a worker and waits until its
-requests finished.
+The router counts a request when it is routed and a completion callback on its task releases
+it (no RPC per batch, as the seed did); a batch is one task per worker, one return object per
+request. A worker whose task fails with an actor error is marked dead and dropped by the group
+before its next call.
 """
 
 from __future__ import annotations
@@ -30,30 +28,20 @@ class Rollouts:
     """Routing and dispatch of rollout and postprocess requests over the roster's rollout workers."""
 
     def __init__(self, roster: Roster, config: PolicyConfig, submitter: TaskSubmitter) -> None:
-        self.roster = roster
-        self.config = config
-        self.submitter = submitter
+        self.roster, self.config, self.submitter = roster, config, submitter
         self.dead: set[Hashable] = set()  # workers whose task died; dropped before the next call
-        self._node_label: dict[Hashable, Any] = {}  # worker -> node label of the seed's distribution
         self._inflight: dict[int, Any] = {}  # refs awaiting their completion callback
         self._inflight_lock = threading.Lock()
-        self.router: Router[Hashable] = self._build_router()
-
-    def _build_router(self) -> Router[Hashable]:
-        wids = [self.roster.wid(p) for p in self.roster.eval_list]
-        if self.config.router_type != "node_affinity":
-            return create_router(self.config.rollout_mode, self.config.router_type, wids)
-        dist = self.config.component_distribution
-        if dist is None:
-            raise ValueError(
-                "router_type 'node_affinity' needs PolicyConfig.component_distribution "
-                "({node: {'env': {'ids': [...]}, 'eval': {'ids': [...]}}}, as the seed's resource manager)"
-            )
-        for node, comps in dist.items():
-            for idx in comps.get("eval", {}).get("ids", []):
-                if 0 <= int(idx) < len(wids):
-                    self._node_label[wids[int(idx)]] = node
-        return create_router(self.config.rollout_mode, "node_affinity", wids, component_distribution=dist)
+        wids = [roster.wid(p) for p in roster.eval_list]
+        extra: dict[str, Any] = {}
+        if config.router_type == "node_affinity":
+            if config.component_distribution is None:
+                raise ValueError(
+                    "router_type 'node_affinity' needs PolicyConfig.component_distribution ({node: "
+                    "{'env': {'ids': [...]}, 'eval': {'ids': [...]}}}, as the seed's resource manager)"
+                )
+            extra["component_distribution"] = config.component_distribution
+        self.router: Router[Hashable] = create_router(config.rollout_mode, config.router_type, wids, **extra)
 
     # -- membership ---------------------------------------------------------------------
     def add(self, policy: Policy, node_of: Mapping[Hashable, Any]) -> None:
@@ -62,9 +50,9 @@ class Rollouts:
         wid = self.roster.wid(policy)
         if wid in self.router:
             return
-        node = self._node_label.get(wid)
-        if node is None and isinstance(self.router, NodeAffinityRouter):
-            labels = {node_of.get(w): label for w, label in self._node_label.items()}
+        node = None
+        if isinstance(self.router, NodeAffinityRouter):  # the label of a worker on its Ray node
+            labels = {node_of.get(w): self.router.node(w) for w in self.router.workers}
             node = labels.get(node_of.get(wid), node_of.get(wid))
         self.router.add_worker(wid, node=node, version=0)
         self.router.set_draining(wid, True)
@@ -79,22 +67,10 @@ class Rollouts:
 
     def drain(self, policies: Sequence[Policy]) -> None:
         """Stop routing to `policies` and wait until their requests finished (bounded)."""
-        self._set_draining(policies, True)
-        try:
-            for p in policies:
-                with contextlib.suppress(UnknownWorkerError):
-                    self.router.wait_drained(self.roster.wid(p), self.config.drain_timeout_s)
-        except BaseException:
-            self.undrain(policies)  # a drain that times out must not leave them unroutable
-            raise
+        self.router.drain([self.roster.wid(p) for p in policies], self.config.drain_timeout_s)
 
     def undrain(self, policies: Sequence[Policy]) -> None:
-        self._set_draining(policies, False)
-
-    def _set_draining(self, policies: Sequence[Policy], draining: bool) -> None:
-        for p in policies:
-            with contextlib.suppress(UnknownWorkerError):
-                self.router.set_draining(self.roster.wid(p), draining)
+        self.router.undrain([self.roster.wid(p) for p in policies])
 
     # -- completion -----------------------------------------------------------------------
     def _release_later(self, ref: Any, wid: Hashable, count: int) -> None:
@@ -108,18 +84,18 @@ class Rollouts:
                 self._inflight.pop(key, None)
             if isinstance(result, BaseException) and is_dead(cause(result)):
                 self.dead.add(wid)
-                self.remove_wid(wid)
-            for _ in range(count):
-                try:
-                    self.router.release(wid)
-                except Exception:  # removed meanwhile with nothing in flight
-                    break
+                with contextlib.suppress(UnknownWorkerError):
+                    self.router.remove_worker(wid)
+            self._release(wid, count)
 
         ref._on_ready(done)
 
-    def remove_wid(self, wid: Hashable) -> None:
-        with contextlib.suppress(UnknownWorkerError):
-            self.router.remove_worker(wid)
+    def _release(self, wid: Hashable, count: int) -> None:
+        for _ in range(count):
+            try:
+                self.router.release(wid)
+            except Exception:  # removed meanwhile with nothing in flight
+                break
 
     def forget_inflight(self) -> None:
         with self._inflight_lock:
@@ -136,36 +112,31 @@ class Rollouts:
     def _worker(self, wid: Hashable, count: int, what: str) -> Policy:
         policy = self.roster.by_wid(wid)
         if policy is None:
-            for _ in range(count):
-                self.router.release(wid)
+            self._release(wid, count)
             raise WorkerDiedError(f"{what}: worker {wid} left the group while routing")
         return policy
 
     def rollout_batch(self, batch: BatchedData[Any]) -> BatchedData[Any]:
         """Route each request (env id as key); one task per worker per batch."""
         ids, values = batch.ids(), batch.values()
-        if not ids:
-            return BatchedData([], [])
         by_worker: dict[Hashable, list[int]] = {}
-        for i, wid in enumerate(self.router.assign(ids, timeout=self.config.rpc_timeout_s)):
+        for i, wid in enumerate(self.router.assign(ids, timeout=self.config.rpc_timeout_s) if ids else []):
             by_worker.setdefault(wid, []).append(i)
         out: list[Any] = [None] * len(ids)
         for wid, idxs in by_worker.items():
             policy = self._worker(wid, len(idxs), "rollout_batch")
-            chunk = [values[i] for i in idxs]
+            chunk, many = [values[i] for i in idxs], len(idxs) > 1
             if is_remote(policy):
                 method = policy._rollout_many
-                many = method.options(num_returns=len(idxs)).remote(chunk) if len(idxs) > 1 else None
-                results = many if many is not None else [method.remote(chunk)]
+                results = (
+                    method.options(num_returns=len(idxs)).remote(chunk) if many else [method.remote(chunk)]
+                )
                 self._release_later(results[-1], wid, len(idxs))
             else:
                 try:
-                    results = (
-                        policy.rollout_many_step(chunk) if len(chunk) > 1 else [policy._rollout(chunk[0])]
-                    )
+                    results = policy.rollout_many_step(chunk) if many else [policy._rollout(chunk[0])]
                 finally:
-                    for _ in idxs:
-                        self.router.release(wid)
+                    self._release(wid, len(idxs))
             for i, value in zip(idxs, results, strict=True):
                 out[i] = value
         return BatchedData(ids, out)
@@ -175,15 +146,14 @@ class Rollouts:
         out: list[Any] = []
         for env_id, args in zip(env_ids, zip(*batched_args, strict=True), strict=True):
             wid = self.router.select(env_id, timeout=self.config.rpc_timeout_s)
-            policy = self._worker(wid, 1, "postprocess")
             try:
-                result = self.submitter.submit(policy._postprocess, *args)
+                result = self.submitter.submit(self._worker(wid, 0, "postprocess")._postprocess, *args)
             except BaseException:
-                self.router.release(wid)
+                self._release(wid, 1)
                 raise
             if isinstance(result, ray.ObjectRef):
                 self._release_later(result, wid, 1)
             else:
-                self.router.release(wid)
+                self._release(wid, 1)
             out.append(result)
         return BatchedData(list(env_ids), out)

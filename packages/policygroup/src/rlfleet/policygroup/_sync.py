@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.placement import SyncPlan, SyncReport, nodes_to_rewire
 from rlfleet.policygroup import _sync_run
@@ -26,6 +25,9 @@ from rlfleet.policygroup._rollout import Rollouts
 from rlfleet.policygroup._submitter import is_remote
 from rlfleet.policygroup._sync_plan import Processes, ipc_mode, plan_for
 from rlfleet.policygroup._sync_wiring import Wiring
+
+if TYPE_CHECKING:
+    from rlfleet.policygroup._membership import Membership
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +47,13 @@ class SyncOutcome:
 class WeightSync:
     """Plans, prepares, runs and applies weight syncs over the group's processes."""
 
+    members: Membership  # set by the group: drops the rollout workers that died
+
     def __init__(
-        self,
-        calls: Calls,
-        rollouts: Rollouts,
-        processes: Processes,
-        config: PolicyConfig,
-        uid: str,
-        liveness: Callable[[], list[str]],  # drops dead rollout workers, returns their names
-        drop: Callable[[Policy, str], None],
+        self, calls: Calls, rollouts: Rollouts, processes: Processes, config: PolicyConfig, uid: str
     ) -> None:
         self.calls, self.roster, self.rollouts, self.processes = calls, calls.roster, rollouts, processes
         self.config = config
-        self.liveness, self.drop = liveness, drop
         self.wiring = Wiring(calls, processes, config, uid)
         self.strategy: str | None = None  # set by prepare_buffers
         self.plan: SyncPlan | None = None  # what the next send runs
@@ -107,6 +103,12 @@ class WeightSync:
         self.wiring.ensure_groups(plan)
 
     # -- wiring ---------------------------------------------------------------------------
+    def trainer_layout(self) -> dict[str, Any]:
+        """Trainer 0's weight layout (what every plan and endpoint is made for)."""
+        size = self.config.weight_buffer.bucket_bytes
+        layout: dict[str, Any] = self.calls.call_all(self.roster.train_list[:1], "get_weight_layout", size)[0]
+        return layout
+
     def prepare_buffers(self) -> None:
         """Plan, then node buffers and every rollout worker's endpoint (`init_weight_buffer`)."""
         strategy = self.config.weight_buffer.buffer_strategy
@@ -119,8 +121,7 @@ class WeightSync:
         self.strategy = strategy
         if not roster.train_list:
             return
-        bucket_bytes = self.config.weight_buffer.bucket_bytes
-        self.layout = calls.call_all(roster.train_list[:1], "get_weight_layout", bucket_bytes)[0]
+        self.layout = self.trainer_layout()
         plan = self.replan()
         assert plan is not None
         calls.call_all(roster.train_list + roster.eval_list, "release_weight_buffers")
@@ -160,7 +161,7 @@ class WeightSync:
             raise PolicyGroupError("send_weights: the group has no trainer")
         if self.strategy is None:
             raise PolicyGroupError("send_weights: call init_placement_info() and init_weight_buffer() first")
-        self.liveness()
+        self.members.refresh()
         if not roster.eval_list:
             return SyncOutcome(version, 0, time.perf_counter() - start)
         self._rewire()
@@ -222,8 +223,8 @@ class WeightSync:
         for p, err in failed:
             if died_itself(p, err) and any(p is e for e in roster.eval_list):
                 dropped.append(roster.name(p))
-                self.drop(p, f"died during send_weights v{version}")
-        dropped += self.liveness()
+                self.members.drop(p, f"died during send_weights v{version}")
+        dropped += self.members.refresh()
         if self.strategy == "None":
             self.rollouts.undrain(roster.eval_list)
         if retry and len(roster.eval_list) < before:
@@ -282,7 +283,7 @@ class WeightSync:
             results = self.calls.gather(calls, self.config.rpc_timeout_s, f"apply v{version}")
             error = results[0][1]
             if group_id is None and is_dead(error):  # one worker: drop it, go on
-                self.drop(policies[0], f"died while applying v{version}")
+                self.members.drop(policies[0], f"died while applying v{version}")
                 return
             if group_id is None and error is not None:
                 self.calls.raise_for(policies[0], error, f"apply v{version}")

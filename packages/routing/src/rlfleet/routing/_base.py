@@ -11,8 +11,9 @@ from __future__ import annotations
 import abc
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from typing import Any, Generic, cast
 
 from typing_extensions import Unpack
@@ -468,6 +469,33 @@ class Router(Generic[W], abc.ABC):
         drained, due = self._drain_wait(worker, timeout, "wait_drained")
         if not drained():
             self._wait.wait(drained, due, lambda: self._drain_expired(worker, timeout, "wait_drained"))
+
+    def drain(self, workers: Iterable[W], timeout: float) -> None:
+        """Stop selecting `workers` and wait until none has a request in flight, all within one
+        `timeout` (a rolling update's drain of one worker or of a group swapping together).
+
+        Workers no longer routed to (removed meanwhile) are skipped. If they do not drain in
+        time they are selectable again and `DrainTimeoutError` is raised.
+        """
+        workers = list(workers)
+        due = deadline(timeout, "drain")
+        assert due is not None
+        for worker in workers:
+            with suppress(UnknownWorkerError):
+                self.set_draining(worker, True)
+        try:
+            for worker in workers:
+                with suppress(UnknownWorkerError):
+                    self.wait_drained(worker, max(0.0, due - time.monotonic()))
+        except BaseException:
+            self.undrain(workers)  # a drain that fails must not leave them unroutable
+            raise
+
+    def undrain(self, workers: Iterable[W]) -> None:
+        """Select `workers` again (those no longer routed to are skipped)."""
+        for worker in workers:
+            with suppress(UnknownWorkerError):
+                self.set_draining(worker, False)
 
     async def wait_drained_async(self, worker: W, timeout: float) -> None:
         """`wait_drained` for asyncio: waits without blocking the event loop."""
