@@ -1,16 +1,13 @@
-"""The group's roster and its calls on workers: bounded, never hanging, failures classified.
-
-A worker is a local object or a Ray actor handle; `Roster` keeps the two lists (trainers and
-rollout workers, the seed's `policy_list`) and names each worker in errors. `Calls` calls a
-method on many workers at once, waits for all of them up to a deadline, and turns what went
-wrong into the error that says it best: a dead trainer (`TrainWorkerDiedError`, its training
-state is lost) before anything its peers report because of it, a dead rollout worker
-(`WorkerDiedError`), a call that did not finish (`TaskTimeoutError`), or the worker's own error.
+"""The group's roster and its calls on workers (local objects or Ray actors): bounded, and
+failures classified into the error that says it best: a dead trainer (`TrainWorkerDiedError`)
+before anything its peers report because of it, a dead rollout worker (`WorkerDiedError`), a
+call that did not finish (`TaskTimeoutError`), or the worker's own error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import ray
@@ -63,14 +60,12 @@ def vagueness(exc: BaseException) -> int:
     return 0 if isinstance(inner, LayoutMismatchError) and inner.parameter else 1
 
 
+@dataclass(frozen=True)
 class _Local:
     """The outcome of a call on a local policy object, shaped like a finished remote call."""
 
-    __slots__ = ("error", "value")
-
-    def __init__(self, value: Any, error: BaseException | None) -> None:
-        self.value = value
-        self.error = error
+    value: Any
+    error: BaseException | None
 
 
 def finished(value: Any) -> Any:
@@ -95,11 +90,7 @@ class Roster:
     def eval_list(self) -> list[Policy]:
         return self.policy_list[PolicyRole.EVAL]
 
-    @staticmethod
-    def wid(policy: Policy) -> Hashable:
-        """A worker's identity (its actor id, or the local object's id)."""
-        key: Hashable = actor_key(policy)
-        return key
+    wid = staticmethod(actor_key)  # a worker's identity: its actor id, or the local object's id
 
     def name(self, policy: Policy) -> str:
         for role, members in self.policy_list.items():
@@ -107,9 +98,6 @@ class Roster:
                 if p is policy or self.wid(p) == self.wid(policy):
                     return f"{ROLE_NAMES[role]} {i}"
         return f"policy {self.wid(policy)}"
-
-    def names(self) -> dict[Hashable, str]:
-        return {self.wid(p): self.name(p) for p in self.train_list + self.eval_list}
 
     def by_wid(self, wid: Hashable) -> Policy | None:
         return next((p for p in self.eval_list + self.train_list if self.wid(p) == wid), None)

@@ -13,7 +13,7 @@ BUFFER_TYPES = ("WeightBuffer", "CPUWeightBuffer", "ShardedWeightBuffer")
 BUFFER_STRATEGIES = WEIGHT_BUFFER_STRATEGIES  # the seed's names, defined once in rlfleet.weightsync
 ROUTER_TYPES = ("simple", "node_affinity", "round_robin", "least_load", "power_of_two", "consistent_hash")
 PLANNERS = ("rlfleet", "seed")
-SENDERS = ("all", "one")
+SENDERS = ("all", "one")  # rlfleet.placement's plan_sync options
 FANOUTS = ("auto", "node_buffer", "direct")
 CUDA_IPC_MODES = ("auto", "off", "host")
 
@@ -25,34 +25,23 @@ def _choice(value: object, valid: tuple[str, ...], what: str) -> None:
 
 @dataclass
 class WeightBufferConfig:
-    """Where received weights are staged before a rollout worker applies them (seed names).
+    """How a version reaches the rollout workers (the seed's names, and the plan's options).
 
     ``buffer_strategy``: "None" applies in place (the receiver is drained for the transfer),
-    "Double" stages a full private copy and swaps it in (serving goes on during the transfer),
-    "Shared" keeps one two-slot shared-memory buffer per node that every local rollout worker reads
-    zero-copy (needs ``type="CPUWeightBuffer"``), "Sharded" needs ``type="ShardedWeightBuffer"``.
-    ``checksums``: the node's shared buffer stores a CRC32 per bucket, checked by every eval
-    before it applies a version (a corrupted byte is refused, not served). Off by default, as
-    in weightsync's transports: it costs one extra read of the model per writer and per eval
-    at about 3 GB/s per core (a 256 MiB sync to 4 evals on 2 nodes: 0.17 s without, 0.66 s
-    with, on the 2-core dev box).
+    "Double" stages a private copy and swaps it in (serving goes on), "Shared" one two-slot
+    shared-memory buffer per node every local rollout worker reads zero-copy (``type``
+    "CPUWeightBuffer"), "Sharded" (``type`` "ShardedWeightBuffer"). ``checksums``: a CRC32 per
+    bucket in the node buffer, checked before a version is applied (off by default: one more
+    read of the model per writer and reader).
 
-    How a version travels is rlfleet.placement's `SyncPlan`, executed as it is: ``planner``
-    "rlfleet" (`plan_sync`) or "seed" (`seed_sync_plan`, the seed's round-robin plan);
-    ``senders`` "all" (data-parallel trainers each send a disjoint share of the buckets) or
-    "one" (the first trainer sends everything); ``fanout`` on a node without a trainer:
-    "node_buffer" (one rollout worker receives and fills the node buffer the others read),
-    "direct" (every rollout worker receives), "auto" (node_buffer for "Shared", else direct).
-
-    ``cuda_ipc``: how a trainer hands a version to the GPU rollout workers of its node (colocated
-    or not). "auto": through CUDA IPC, device to device (a "cuda_ipc" step of the plan: the
-    trainer's `CudaIpcSender`, one `CudaIpcReceiver` per reader) when the trainer and the reader
-    are GPU workers (Ray actors); CPU workers keep the node buffer. "off": always the node buffer.
-    "host": a testing and diagnostic mode: every same-node rollout worker of a trainer, GPU or
-    not, gets the "cuda_ipc" step, run over host shared memory (weightsync's ``backend="host"``:
-    the same protocol, control block and code path as on GPUs). "Shared" keeps the node buffer
-    whatever this says: its readers compute with zero-copy views of the buffer, which IPC slots
-    (reused bucket by bucket) cannot give.
+    The plan is rlfleet.placement's `SyncPlan`, run as it is: ``planner`` "rlfleet" (`plan_sync`)
+    or "seed" (`seed_sync_plan`); ``senders`` "all" (data-parallel trainers send disjoint shares)
+    or "one"; ``fanout`` on a node without a trainer: "node_buffer" (one rollout worker receives
+    and fills the buffer the others read), "direct" or "auto". ``cuda_ipc`` "auto": a trainer
+    hands a version to the GPU rollout workers of its node device to device (Ray actors); "off":
+    the node buffer; "host": every same-node rollout worker gets the IPC step over host shared
+    memory (a test mode: the same protocol and code path). "Shared" keeps its node buffer: its
+    readers compute with zero-copy views of it, which reused IPC slots cannot give.
     """
 
     type: str = "WeightBuffer"
@@ -68,45 +57,44 @@ class WeightBufferConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.type not in BUFFER_TYPES:
-            raise ValueError(f"weight_buffer.type {self.type!r} is unknown; valid: {', '.join(BUFFER_TYPES)}")
+        _choice(self.type, BUFFER_TYPES, "weight_buffer.type")
         check_strategy(self.buffer_strategy, "weight_buffer.buffer_strategy")
-        if self.buffer_strategy == "Shared" and self.type != "CPUWeightBuffer":
-            raise ValueError(
-                f"weight_buffer.buffer_strategy 'Shared' needs type 'CPUWeightBuffer', got {self.type!r}"
-            )
-        if self.buffer_strategy == "Sharded" and self.type != "ShardedWeightBuffer":
-            raise ValueError(
-                f"weight_buffer.buffer_strategy 'Sharded' needs type 'ShardedWeightBuffer', got {self.type!r}"
-            )
+        for strategy, kind in (("Shared", "CPUWeightBuffer"), ("Sharded", "ShardedWeightBuffer")):
+            if self.buffer_strategy == strategy and self.type != kind:
+                raise ValueError(
+                    f"weight_buffer.buffer_strategy {strategy!r} needs type {kind!r}, got {self.type!r}"
+                )
         if self.type == "ShardedWeightBuffer" and self.buffer_strategy != "Sharded":
             raise ValueError(
-                f"weight_buffer.type 'ShardedWeightBuffer' needs buffer_strategy 'Sharded', "
+                "weight_buffer.type 'ShardedWeightBuffer' needs buffer_strategy 'Sharded', "
                 f"got {self.buffer_strategy!r}"
             )
         if not isinstance(self.checksums, bool):
             raise ValueError(f"weight_buffer.checksums must be a bool, got {self.checksums!r}")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 512:
             raise ValueError(f"weight_buffer.bucket_bytes must be an int >= 512, got {self.bucket_bytes!r}")
-        _choice(self.planner, PLANNERS, "weight_buffer.planner")
-        _choice(self.senders, SENDERS, "weight_buffer.senders")
-        _choice(self.fanout, FANOUTS, "weight_buffer.fanout")
-        _choice(self.cuda_ipc, CUDA_IPC_MODES, "weight_buffer.cuda_ipc")
-        if self.cuda_ipc == "host" and self.buffer_strategy == "Shared":
+        for value, valid, what in (
+            (self.planner, PLANNERS, "planner"),
+            (self.senders, SENDERS, "senders"),
+            (self.fanout, FANOUTS, "fanout"),
+            (self.cuda_ipc, CUDA_IPC_MODES, "cuda_ipc"),
+        ):
+            _choice(value, valid, f"weight_buffer.{what}")
+        shared = self.buffer_strategy == "Shared"
+        if self.cuda_ipc == "host" and shared:
             raise ValueError(
                 "weight_buffer.cuda_ipc 'host' does not run with buffer_strategy 'Shared': its rollout "
                 "workers compute with zero-copy views of the node buffer, which IPC slots cannot give"
             )
-        shared = self.buffer_strategy == "Shared"
         if self.fanout == ("direct" if shared else "node_buffer"):
+            why = (
+                "every rollout worker of a node binds the node's one buffer; one receives for it"
+                if shared
+                else "a rollout worker that relays copies has no node buffer to fill; use 'direct'"
+            )
             raise ValueError(
                 f"weight_buffer.fanout {self.fanout!r} does not run with buffer_strategy "
-                f"{self.buffer_strategy!r}: "
-                + (
-                    "every rollout worker of a node binds the node's one buffer; one receives for it"
-                    if shared
-                    else "a rollout worker that relays copies has no node buffer to fill; use 'direct'"
-                )
+                f"{self.buffer_strategy!r}: {why}"
             )
 
 
