@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -36,12 +37,12 @@ def is_remote(policy: Any) -> bool:
     return isinstance(policy, ray.actor.ActorHandle)
 
 
+@dataclass
 class _Slot:
-    __slots__ = ("lock", "pending")
+    """One actor's lock and the refs of its tasks in flight."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.pending: list[ray.ObjectRef[Any]] = []
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: list[ray.ObjectRef[Any]] = field(default_factory=list)
 
 
 class TaskSubmitter:
@@ -54,18 +55,14 @@ class TaskSubmitter:
     """
 
     def __init__(self, max_pending_tasks_each_worker: int = 8, timeout_s: float = 120.0) -> None:
-        if (
-            isinstance(max_pending_tasks_each_worker, bool)
-            or not isinstance(max_pending_tasks_each_worker, int)
-            or max_pending_tasks_each_worker < 1
-        ):
+        k = max_pending_tasks_each_worker
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(
                 f"max_pending_tasks_each_worker must be an int >= 1, got {max_pending_tasks_each_worker!r}"
             )
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        self.max_pending = max_pending_tasks_each_worker
-        self.timeout_s = float(timeout_s)
+        self.max_pending, self.timeout_s = k, float(timeout_s)
         self._slots: dict[Any, _Slot] = {}
         self._slots_lock = threading.Lock()  # only guards the dict, never held while waiting
 

@@ -206,11 +206,7 @@ class WeightSync:
         return {"backend": backend, "bucket_bytes": bucket_bytes, "checksums": wb.checksums}
 
     def _recover(
-        self,
-        version: int,
-        failed: list[tuple[Policy, BaseException]],
-        retry: bool,
-        start: float,
+        self, version: int, failed: list[tuple[Policy, BaseException]], retry: bool, start: float
     ) -> SyncOutcome:
         """After a failed run: a dead trainer raises; dead rollout workers are dropped and the
         survivors get the version once more; otherwise the clearest error is raised."""
@@ -228,15 +224,13 @@ class WeightSync:
         if self.strategy == "None":
             self.rollouts.undrain(roster.eval_list)
         if retry and len(roster.eval_list) < before:
-            logger.warning(
-                "[PolicyGroup] send_weights v%d: retrying for %d surviving rollout workers",
-                version,
-                len(roster.eval_list),
-            )
+            msg = "[PolicyGroup] send_weights v%d: retrying for %d surviving rollout workers"
+            logger.warning(msg, version, len(roster.eval_list))
             # "None" applied in place wherever the first try got through: resend as the next version
             again = self.send(version + 1 if self.strategy == "None" else version, False)
-            seconds = time.perf_counter() - start
-            return SyncOutcome(again.version, again.steps, seconds, tuple(dropped), again.report)
+            return SyncOutcome(
+                again.version, again.steps, time.perf_counter() - start, tuple(dropped), again.report
+            )
         p, err = min(failed, key=lambda f: vagueness(f[1]))
         self.calls.raise_for(p, err, f"send_weights v{version}")
 
