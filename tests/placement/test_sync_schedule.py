@@ -11,8 +11,8 @@ import pytest
 
 from rlfleet.placement import (
     CALL_KINDS,
+    GroupPart,
     PlannedCall,
-    ReceivePart,
     SyncPlan,
     SyncPlanError,
     SyncProcess,
@@ -92,24 +92,23 @@ def test_a_relay_receives_once_and_its_readers_wait_for_that_receive() -> None:
         ("stage", "r4", (3,), (0, 1, 2)),
         ("stage", "r5", (3,), (0, 1, 2)),
     ]
-    assert calls[0].buckets is None  # every bucket: "all"
-    assert calls[0].members == ("t0", "r1", "r3")
-    assert calls[1].parts == (ReceivePart(0, "t0", ("t0", "r1", "r3"), None),)
+    assert calls[0].parts == (GroupPart(0, "t0", ("t0", "r1", "r3"), None),)  # every bucket: "all"
+    assert calls[1].parts == calls[0].parts
 
 
 def test_several_senders_into_one_receiver_make_one_receive_with_a_part_per_sender() -> None:
     plan = plan_sync(cluster(2), BUCKETS, "Double")
     calls = schedule_calls(plan)
     sends = [c for c in calls if c.kind == "send"]
-    assert [(c.pid, c.buckets) for c in sends] == [("t0", (0, 1, 2)), ("t1", (3, 4, 5))]
+    assert [(c.pid, c.parts[0].buckets) for c in sends] == [("t0", (0, 1, 2)), ("t1", (3, 4, 5))]
     receives = [c for c in calls if c.kind == "receive"]
     assert [c.pid for c in receives] == ["r1", "r2", "r3", "r4", "r5"]  # one call each
     members = ("r1", "r2", "r3", "r4", "r5")
     for call in receives:
         assert call.steps == (0, 1)
         assert call.parts == (
-            ReceivePart(0, "t0", ("t0", *members), (0, 1, 2)),
-            ReceivePart(1, "t1", ("t1", *members), (3, 4, 5)),
+            GroupPart(0, "t0", ("t0", *members), (0, 1, 2)),
+            GroupPart(1, "t1", ("t1", *members), (3, 4, 5)),
         )
     # scheduled at the last of its parts: after both sends
     assert [c.kind for c in calls[:2]] == ["send", "send"]
@@ -126,8 +125,8 @@ def test_p2p_pairs_are_a_send_and_a_receive_each() -> None:
         ("send", "t1", (1,), ()),
         ("receive", "r1", (1,), ()),
     ]
-    assert [c.members for c in calls if c.kind == "send"] == [("t0", "r0"), ("t1", "r1")]
-    assert calls[3].parts == (ReceivePart(1, "t1", ("t1", "r1"), None),)
+    assert [c.parts[0].members for c in calls if c.kind == "send"] == [("t0", "r0"), ("t1", "r1")]
+    assert calls[3].parts == (GroupPart(1, "t1", ("t1", "r1"), None),)
 
 
 def test_cuda_ipc_writer_and_readers_run_together_after_the_writers_previous_step() -> None:
@@ -160,7 +159,9 @@ def test_steps_an_executor_cannot_run_are_named() -> None:
 
 @pytest.mark.parametrize("strategy", ["None", "Double", "Shared"])
 @pytest.mark.parametrize("trainers", [1, 2, 3])
-def test_every_call_waits_only_for_earlier_calls_and_every_step_is_served(strategy: str, trainers: int) -> None:
+def test_every_call_waits_only_for_earlier_calls_and_every_step_is_served(
+    strategy: str, trainers: int
+) -> None:
     plan = plan_sync(cluster(trainers), BUCKETS, strategy)
     calls = schedule_calls(plan)
     assert all(w < i for i, c in enumerate(calls) for w in c.waits)
@@ -177,7 +178,11 @@ def relay_timings() -> list[dict[str, Any] | None]:
     """What the relay plan's calls return: ends (``t1``), phases, a receive's parts per sender."""
     return [
         {"t1": 101.0, "phases": {"pack": 0.2, "wire": 0.6}},  # send t0
-        {"t1": 101.2, "parts": {"t0": {"t1": 101.1, "land": 0.3, "commit": 0.05}}, "phases": {"wait_readers": 0.02}},
+        {
+            "t1": 101.2,
+            "parts": {"t0": {"t1": 101.1, "land": 0.3, "commit": 0.05}},
+            "phases": {"wait_readers": 0.02},
+        },
         {"t1": 101.3, "parts": {"t0": {"t1": 101.25, "land": 0.4, "commit": 0.1}}},  # receive r3
         {"t1": 101.5, "phases": {"pack": 0.2}},  # publish t0
         {"t1": 101.7, "phases": {"land": 0.1}},  # stage r0
@@ -237,7 +242,9 @@ def test_a_receive_without_its_part_ends_with_the_call_and_control_is_never_nega
     ]
     [step] = sync_report(plan, calls, timings, version=1, started=STARTED, error=None).steps
     assert step.measured_seconds == pytest.approx(0.8)
-    assert step.phases == pytest.approx({"pack": 0.1, "land": 0.9, "commit": 0.0, "wait_readers": 0.0, "control": 0.0})
+    assert step.phases == pytest.approx(
+        {"pack": 0.1, "land": 0.9, "commit": 0.0, "wait_readers": 0.0, "control": 0.0}
+    )
 
 
 def test_report_needs_one_timing_per_call() -> None:

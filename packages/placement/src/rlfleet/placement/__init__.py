@@ -54,7 +54,7 @@ from rlfleet.placement._sync_plan import (
 )
 from rlfleet.placement._sync_planner import plan_sync, seed_sync_plan, split_shares
 from rlfleet.placement._sync_report import MEASURED_PHASES, StepReport, SyncReport
-from rlfleet.placement._sync_schedule import CALL_KINDS, PlannedCall, ReceivePart, schedule_calls, sync_report
+from rlfleet.placement._sync_schedule import CALL_KINDS, GroupPart, PlannedCall, schedule_calls, sync_report
 from rlfleet.placement._topology import DEVICE_KINDS, LINK_KINDS, Device, Link, Port, Switch, Topology
 from rlfleet.placement._transfer import DEFAULT_BUCKET_BYTES, RELAY_MODES, plan_transfer
 from rlfleet.placement._transfer_seed import cost_transfer_info, seed_plan
@@ -86,6 +86,7 @@ __all__ = [
     "CostModelError",
     "Device",
     "EmptyEvalNodeError",
+    "GroupPart",
     "Link",
     "LinkLoad",
     "Move",
@@ -98,7 +99,6 @@ __all__ = [
     "PlannedCall",
     "Port",
     "RankInfo",
-    "ReceivePart",
     "ReshardCost",
     "ReshardError",
     "ReshardPlan",

@@ -28,15 +28,16 @@ from rlfleet.placement._errors import SyncPlanError
 from rlfleet.placement._sync_plan import GROUP_TRANSPORTS, SyncPlan, SyncStep
 from rlfleet.placement._sync_report import StepReport, SyncReport
 
-__all__ = ["CALL_KINDS", "PlannedCall", "ReceivePart", "schedule_calls", "sync_report"]
+__all__ = ["CALL_KINDS", "GroupPart", "PlannedCall", "schedule_calls", "sync_report"]
 
 CallKind = Literal["publish", "send", "receive", "stage", "ipc_send", "ipc_receive"]
 CALL_KINDS: tuple[str, ...] = ("publish", "send", "receive", "stage", "ipc_send", "ipc_receive")
 
 
 @dataclass(frozen=True)
-class ReceivePart:
-    """One group step a receive takes: the group's members (sender first), buckets (None: all)."""
+class GroupPart:
+    """One group step a send or receive takes part in: its members (sender first) and buckets
+    (None: all)."""
 
     step: int
     sender: str
@@ -48,20 +49,18 @@ class ReceivePart:
 class PlannedCall:
     """One call of a sync: `kind` on process `pid`, serving `steps`, after the calls `waits`.
 
-    `waits` are indices of earlier calls in the schedule. The arguments, as plain data:
-    `buckets` what a send sends (None: all); `members` a send's group (sender first); `node`
-    whose buffer a publish or stage uses; `parts` a receive's; `readers` a cuda_ipc channel's
-    (its ipc_send and every ipc_receive carry them) and `reader` an ipc_receive's index there.
+    `waits` are indices of earlier calls in the schedule. The arguments, as plain data: `parts`
+    the group steps of a send (its own) or a receive (one per sender); `node` whose buffer a
+    publish or stage uses; `readers` a cuda_ipc channel's (its ipc_send and every ipc_receive
+    carry them) and `reader` an ipc_receive's index among them.
     """
 
     kind: CallKind
     pid: str
     steps: tuple[int, ...]
     waits: tuple[int, ...] = ()
-    buckets: tuple[int, ...] | None = None
-    members: tuple[str, ...] = ()
     node: str | None = None
-    parts: tuple[ReceivePart, ...] = ()
+    parts: tuple[GroupPart, ...] = ()
     readers: tuple[str, ...] = ()
     reader: int | None = None
 
@@ -69,10 +68,6 @@ class PlannedCall:
 def _step_deps(step: SyncStep, previous: Mapping[str, int]) -> list[int]:
     """The steps `step` waits for: its ``after`` and its sender's previous step."""
     return [*step.after, *([previous[step.src]] if step.src in previous else [])]
-
-
-def _buckets(plan: SyncPlan, step: SyncStep) -> tuple[int, ...] | None:
-    return None if len(step.buckets) == len(plan.bucket_bytes) else step.buckets
 
 
 class _Schedule:
@@ -96,20 +91,19 @@ class _Schedule:
         self.waits[step.index] = waits = tuple(dict.fromkeys(calls))
         return waits
 
+    def part(self, step: SyncStep) -> GroupPart:
+        every = len(step.buckets) == len(self.plan.bucket_bytes)
+        return GroupPart(step.index, step.src, (step.src, *step.dst), None if every else step.buckets)
+
     def group_step(self, step: SyncStep, receiving: Mapping[str, list[SyncStep]]) -> None:
-        members = (step.src, *step.dst)
-        buckets = _buckets(self.plan, step)
         waits = self.waits[step.index]
-        self.add(PlannedCall("send", step.src, (step.index,), waits, buckets, members))
+        self.add(PlannedCall("send", step.src, (step.index,), waits, parts=(self.part(step),)))
         for d in step.dst:
             parts = receiving[d]
-            if parts[-1].index != step.index:
-                continue
-            waits = tuple(dict.fromkeys(i for p in parts for i in self.waits[p.index]))
-            made = tuple(
-                ReceivePart(p.index, p.src, (p.src, *p.dst), _buckets(self.plan, p)) for p in parts
-            )
-            self.add(PlannedCall("receive", d, tuple(p.index for p in parts), waits, parts=made))
+            if parts[-1].index == step.index:
+                waits = tuple(dict.fromkeys(i for p in parts for i in self.waits[p.index]))
+                made = tuple(self.part(p) for p in parts)
+                self.add(PlannedCall("receive", d, tuple(p.index for p in parts), waits, parts=made))
 
     def node_buffer_step(self, step: SyncStep) -> None:
         waits = self.waits[step.index]
