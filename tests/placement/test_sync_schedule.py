@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+from test_sync_plan import BUCKETS, R, T, cluster
 
 from rlfleet.placement import (
     CALL_KINDS,
@@ -15,30 +16,11 @@ from rlfleet.placement import (
     PlannedCall,
     SyncPlan,
     SyncPlanError,
-    SyncProcess,
     plan_sync,
     schedule_calls,
     seed_sync_plan,
     sync_report,
 )
-
-MiB = 2**20
-BUCKETS = [64 * MiB, 32 * MiB, 64 * MiB, 16 * MiB, 64 * MiB, 48 * MiB]
-EVERY = tuple(range(len(BUCKETS)))
-
-
-def T(pid: str, node: str) -> SyncProcess:
-    return SyncProcess(pid, "trainer", node)
-
-
-def R(pid: str, node: str) -> SyncProcess:
-    return SyncProcess(pid, "rollout", node)
-
-
-def cluster(trainers: int) -> list[SyncProcess]:
-    """n0: trainer t0 and rollout r0; t1, ... on trainer-only nodes; r1, r2 on n1; r3..r5 on n2."""
-    procs = [T(f"t{i}", "n0" if i == 0 else f"nt{i}") for i in range(trainers)]
-    return [*procs, R("r0", "n0"), R("r1", "n1"), R("r2", "n1"), R("r3", "n2"), R("r4", "n2"), R("r5", "n2")]
 
 
 def relay_plan() -> SyncPlan:
