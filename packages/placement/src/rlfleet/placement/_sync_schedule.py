@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from rlfleet.placement._errors import SyncPlanError
 from rlfleet.placement._sync_plan import GROUP_TRANSPORTS, SyncPlan, SyncStep
@@ -31,7 +31,7 @@ from rlfleet.placement._sync_report import StepReport, SyncReport
 __all__ = ["CALL_KINDS", "GroupPart", "PlannedCall", "schedule_calls", "sync_report"]
 
 CallKind = Literal["publish", "send", "receive", "stage", "ipc_send", "ipc_receive"]
-CALL_KINDS: tuple[str, ...] = ("publish", "send", "receive", "stage", "ipc_send", "ipc_receive")
+CALL_KINDS: tuple[str, ...] = get_args(CallKind)
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class PlannedCall:
     """One call of a sync: `kind` on process `pid`, serving `steps`, after the calls `waits`.
 
     `waits` are indices of earlier calls in the schedule. The arguments, as plain data: `parts`
-    the group steps of a send (its own) or a receive (one per sender); `node` whose buffer a
-    publish or stage uses; `readers` a cuda_ipc channel's (its ipc_send and every ipc_receive
+    the group steps of a send (its own) or a receive (one per sender); `node` the step's node
+    (whose buffer a publish or stage uses); `readers` a cuda_ipc channel's (its ipc_send and every ipc_receive
     carry them) and `reader` an ipc_receive's index among them.
     """
 
@@ -86,10 +86,9 @@ class _Schedule:
             self.serving.setdefault(s, []).append(index)
         return index
 
-    def wait_for(self, step: SyncStep, previous: Mapping[str, int]) -> tuple[int, ...]:
+    def wait_for(self, step: SyncStep, previous: Mapping[str, int]) -> None:
         calls = [i for s in dict.fromkeys(_step_deps(step, previous)) for i in self.serving.get(s, [])]
-        self.waits[step.index] = waits = tuple(dict.fromkeys(calls))
-        return waits
+        self.waits[step.index] = tuple(dict.fromkeys(calls))
 
     def part(self, step: SyncStep) -> GroupPart:
         every = len(step.buckets) == len(self.plan.bucket_bytes)
