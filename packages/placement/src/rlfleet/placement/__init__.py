@@ -54,11 +54,13 @@ from rlfleet.placement._sync_plan import (
 )
 from rlfleet.placement._sync_planner import plan_sync, seed_sync_plan, split_shares
 from rlfleet.placement._sync_report import MEASURED_PHASES, StepReport, SyncReport
+from rlfleet.placement._sync_schedule import CALL_KINDS, GroupPart, PlannedCall, schedule_calls, sync_report
 from rlfleet.placement._topology import DEVICE_KINDS, LINK_KINDS, Device, Link, Port, Switch, Topology
 from rlfleet.placement._transfer import DEFAULT_BUCKET_BYTES, RELAY_MODES, plan_transfer
 from rlfleet.placement._transfer_seed import cost_transfer_info, seed_plan
 
 __all__ = [
+    "CALL_KINDS",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_STRIPE_BYTES",
     "DEVICE_KINDS",
@@ -84,6 +86,7 @@ __all__ = [
     "CostModelError",
     "Device",
     "EmptyEvalNodeError",
+    "GroupPart",
     "Link",
     "LinkLoad",
     "Move",
@@ -93,6 +96,7 @@ __all__ = [
     "ParamSpec",
     "Placement",
     "PlacementError",
+    "PlannedCall",
     "Port",
     "RankInfo",
     "ReshardCost",
@@ -128,7 +132,9 @@ __all__ = [
     "plan_transfer",
     "price_reshard",
     "reshard_lower_bound",
+    "schedule_calls",
     "seed_plan",
     "seed_sync_plan",
     "split_shares",
+    "sync_report",
 ]
