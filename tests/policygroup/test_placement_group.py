@@ -32,7 +32,7 @@ from rlfleet.policygroup import (  # noqa: E402
     WeightBufferConfig,
     build_policy_group,
 )
-from rlfleet.policygroup._placement_group import check_bundle_nodes, worker_gpus  # noqa: E402
+from rlfleet.policygroup._builder import check_bundle_nodes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 ray.cloudpickle.register_pickle_by_value(pg_policies)
@@ -91,7 +91,7 @@ def test_adopts_a_placement_group_the_caller_made_and_syncs(cluster: Any) -> Non
                 ref,
                 ref,
             ]
-            assert worker_gpus(group.placement) == {"train-0": 0.0, "eval-0": 0.0, "eval-1": 0.0}
+            assert group.placement.worker_gpus() == {"train-0": 0.0, "eval-0": 0.0, "eval-1": 0.0}
         finally:
             group.shutdown()
         assert placement_group_table(pg)["state"] == "CREATED"  # the caller's group is the caller's
@@ -106,7 +106,7 @@ def test_a_multi_gpu_bundle_holds_one_tensor_parallel_rollout_worker(gpu_node: s
     try:
         group = build_policy_group(MLPPolicy, 1, 2, config(), placement_group=pg, init=False)
         try:
-            assert worker_gpus(group.placement) == {"train-0": 0.0, "eval-0": 2.0, "eval-1": 2.0}
+            assert group.placement.worker_gpus() == {"train-0": 0.0, "eval-0": 2.0, "eval-1": 2.0}
             assert [w.node for w in group.placement.eval] == [gpu_node, gpu_node]
             assert [b.gpu for b in group.placement.bundles] == [0.0, 2.0, 2.0]
             ids = ray.get([e._get_gpu_ids.remote() for e in group.eval_list], timeout=60)
@@ -123,7 +123,7 @@ def test_colocated_workers_split_their_bundle(gpu_node: str) -> None:
     try:
         group = build_policy_group(MLPPolicy, 1, 1, config(), placement_group=pg, colocated=True, init=False)
         try:
-            assert worker_gpus(group.placement) == {"train-0": 0.5, "eval-0": 0.5}
+            assert group.placement.worker_gpus() == {"train-0": 0.5, "eval-0": 0.5}
             assert {w.bundle_index for w in group.placement.workers} == {0}
         finally:
             group.shutdown()

@@ -3,6 +3,7 @@ weight-transfer planning for RL post-training clusters (networkx only; matplotli
 
 from rlfleet.placement.__about__ import __version__
 from rlfleet.placement._cluster import NvidiaSmiTopo, parse_nvidia_smi_topo
+from rlfleet.placement._cluster_plan import place_on_ray_nodes, ray_node_topology
 from rlfleet.placement._comm import (
     INTRA_NODE,
     TRAIN_DATA_PARALLEL,
@@ -25,6 +26,7 @@ from rlfleet.placement._errors import (
     TopologyError,
 )
 from rlfleet.placement._placement import (
+    NODE_ID_LABEL,
     Bundle,
     Placement,
     WorkerPlacement,
@@ -71,6 +73,7 @@ __all__ = [
     "LINEAR_PARAMS",
     "LINK_KINDS",
     "MEASURED_PHASES",
+    "NODE_ID_LABEL",
     "RELAY_MODES",
     "SYNC_STRATEGIES",
     "TRAIN_DATA_PARALLEL",
@@ -126,11 +129,13 @@ __all__ = [
     "pipeline_seconds",
     "place_colocated",
     "place_disaggregated",
+    "place_on_ray_nodes",
     "plan_comm_groups",
     "plan_reshard",
     "plan_sync",
     "plan_transfer",
     "price_reshard",
+    "ray_node_topology",
     "reshard_lower_bound",
     "schedule_calls",
     "seed_plan",

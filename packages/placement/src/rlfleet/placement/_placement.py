@@ -1,15 +1,21 @@
 """Placement as data: which worker runs where, and the Ray placement-group bundles that ask for it.
 
 Nothing here imports Ray: bundles are plain dicts (``{"CPU": 1, "GPU": 1}``) and the strategy a
-string, ready to pass to ``ray.util.placement_group(bundles, strategy=...)``. Ray chooses the node of
-each bundle itself; the ``node`` recorded here is the plan, which the caller can check after the group
-is ready (for example by reading each bundle's node id).
+string, ready to pass to ``ray.util.placement_group(bundles, strategy=...)``. Left alone, Ray
+chooses the node of each bundle itself ("PACK" puts two bundles planned on two nodes on one node
+when both fit), so `Placement.bundle_label_selectors` pins each bundle to its planned node; the
+caller reads each bundle's (and later each worker's) node back and `check_bundle_nodes` /
+`check_worker_nodes` name every one that is elsewhere. `Placement.from_bundles` records a
+placement group someone else made, each bundle on the node Ray put it on; a bundle may hold
+several GPUs (a tensor-parallel rollout instance), and workers sharing a bundle split it evenly
+(`worker_resources`, `worker_gpus`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +23,7 @@ from rlfleet.placement._errors import CapacityError, ColocatedSizeError, Placeme
 from rlfleet.placement._topology import Topology
 
 __all__ = [
+    "NODE_ID_LABEL",
     "ROLES",
     "Bundle",
     "Placement",
@@ -27,6 +34,8 @@ __all__ = [
 
 ROLES: tuple[str, ...] = ("train", "eval")
 RAY_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+#: The label every Ray node carries with its own id (what a bundle's label selector can ask for).
+NODE_ID_LABEL = "ray.io/node-id"
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,111 @@ class Placement:
             "bundle_index": [[w.worker_id, w.bundle_index] for w in self.workers],
         }
 
+    @classmethod
+    def from_bundles(
+        cls,
+        nodes: Sequence[str],
+        specs: Sequence[Mapping[str, float]],
+        n_train: int,
+        n_eval: int,
+        bundle_indices: Sequence[int] | None = None,
+        colocated: bool = False,
+        strategy: str | None = None,
+    ) -> Placement:
+        """Workers in a placement group someone else made: bundle ``i`` (``specs[i]``, Ray's
+        ``{"CPU": .., "GPU": ..}``) on ``nodes[i]``, worker k (trainers first) in bundle
+        ``bundle_indices[k]``.
+
+        Default: trainers on bundles 0.., rollout workers after them (colocated: rollout worker i
+        shares bundle i with trainer i). A bundle with GPUs is a "gpu" device holding them all; a
+        `strategy` that is not Ray's is recorded as None.
+        """
+        _check_count("n_train", n_train)
+        _check_count("n_eval", n_eval)
+        if len(nodes) != len(specs):
+            raise PlacementError(f"{len(nodes)} bundle nodes for {len(specs)} bundle specs")
+        indices = _bundle_indices(bundle_indices, n_train, n_eval, len(specs), colocated)
+        bundles = [
+            Bundle(
+                str(node),
+                f"{'gpu' if spec.get('GPU') else 'cpu'}-bundle{i}",
+                float(spec.get("CPU", 0.0)),
+                float(spec.get("GPU", 0.0)),
+            )
+            for i, (node, spec) in enumerate(zip(nodes, specs, strict=True))
+        ]
+        workers = [
+            WorkerPlacement(wid, role, bundles[b].node, bundles[b].device, b)
+            for (wid, role), b in zip(_worker_ids(n_train, n_eval), indices, strict=True)
+        ]
+        return cls(tuple(workers), strategy if strategy in RAY_STRATEGIES else None, tuple(bundles))
+
+    def bundle_label_selectors(self) -> list[dict[str, str]]:
+        """Ray's per-bundle label selectors that keep each bundle on its planned node."""
+        return [{NODE_ID_LABEL: bundle.node} for bundle in self.bundles]
+
+    def _sharers(self) -> Counter[int]:
+        return Counter(w.bundle_index for w in self.workers if w.bundle_index is not None)
+
+    def worker_resources(self, worker: WorkerPlacement, cpus: float) -> tuple[float, float]:
+        """(CPUs, GPUs) `worker` asks of its bundle: its even share of the bundle's GPUs, and
+        `cpus` capped at its share of the bundle's CPUs."""
+        if worker.bundle_index is None:
+            raise PlacementError(f"worker {worker.worker_id!r} has no bundle in the plan")
+        bundle = self.bundles[worker.bundle_index]
+        share = self._sharers()[worker.bundle_index]
+        return min(max(cpus, 0.0), bundle.cpu / share), bundle.gpu / share
+
+    def worker_gpus(self) -> dict[str, float]:
+        """GPUs of each worker with a bundle (by id): its share of its bundle's GPUs (a
+        tensor-parallel rollout instance alone in a bundle of four GPUs has 4.0)."""
+        sharers = self._sharers()
+        return {
+            str(w.worker_id): self.bundles[w.bundle_index].gpu / sharers[w.bundle_index]
+            for w in self.workers
+            if w.bundle_index is not None
+        }
+
+    def start_order(self) -> tuple[WorkerPlacement, ...]:
+        """The workers in the order their processes start: trainers first, each role by index
+        (the number ending the id, as in ``train-0``, ``eval-1``)."""
+        return tuple(sorted(self.workers, key=lambda w: (w.role != "train", _role_index(w))))
+
+    def check_bundle_nodes(self, actual: Sequence[str]) -> None:
+        """PlacementError naming each bundle (its workers, both nodes) whose node in `actual`
+        (one per bundle, as Ray reports them) is not the planned one."""
+        if len(actual) != len(self.bundles):
+            raise PlacementError(
+                f"the placement group has {len(actual)} bundles, the plan {len(self.bundles)}"
+            )
+        wrong = [self._misplaced(i, node) for i, node in enumerate(actual) if node != self.bundles[i].node]
+        if wrong:
+            raise PlacementError(
+                "Ray did not put the placement group's bundles where the plan needs them: "
+                + "; ".join(wrong)
+                + " (the sync plan would pair the wrong workers on a node)"
+            )
+
+    def _misplaced(self, index: int, actual: str) -> str:
+        who = [str(w.worker_id) for w in self.workers if w.bundle_index == index]
+        planned = self.bundles[index].node
+        return f"bundle {index} (workers {who}) is on node {actual[:12]}, planned on node {planned[:12]}"
+
+    def check_worker_nodes(self, actual: Mapping[Hashable, str]) -> None:
+        """PlacementError naming each worker whose node in `actual` (by worker id, where its
+        process runs) is not its planned one, or that `actual` leaves out."""
+        missing = [w.worker_id for w in self.workers if w.worker_id not in actual]
+        if missing:
+            raise PlacementError(f"no node reported for workers {missing}")
+        wrong = [
+            f"{w.worker_id} runs on node {str(actual[w.worker_id])[:12]}, "
+            f"its bundle {w.bundle_index} was planned on node {w.node[:12]}"
+            for w in self.workers
+            if actual[w.worker_id] != w.node
+        ]
+        if wrong:
+            raise PlacementError("workers are not on their planned nodes: " + "; ".join(wrong))
+
     def validate(self, topology: Topology) -> None:
         """Raise PlacementError naming the first worker whose node or device is not in ``topology``."""
         for w in self.workers:
@@ -155,6 +269,42 @@ def _check_count(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise PlacementError(f"{name} must be a non-negative int, got {value!r}")
     return value
+
+
+def _bundle_indices(
+    indices: Sequence[int] | None, n_train: int, n_eval: int, count: int, colocated: bool
+) -> list[int]:
+    """The bundle of each worker (trainers first): `indices` checked, or the default."""
+    if indices is None:
+        evals = range(n_eval) if colocated else range(n_train, n_train + n_eval)
+        indices = [*range(n_train), *evals]
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
+        raise TypeError(f"bundle_indices must be a sequence of ints, got {type(indices).__name__}")
+    need = n_train + n_eval
+    if len(indices) != need:
+        raise PlacementError(
+            f"bundle_indices names {len(indices)} bundles, one per worker is needed ({need}: trainers first)"
+        )
+    for i in indices:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count:
+            raise PlacementError(
+                f"bundle_indices: {i!r} is not a bundle of this placement group (it has {count})"
+            )
+    return list(indices)
+
+
+def _worker_ids(n_train: int, n_eval: int) -> list[tuple[str, str]]:
+    """(id, role) of every worker, trainers first: ``train-0``, ..., ``eval-0``, ..."""
+    return [(f"train-{i}", "train") for i in range(n_train)] + [(f"eval-{i}", "eval") for i in range(n_eval)]
+
+
+def _role_index(worker: WorkerPlacement) -> int:
+    tail = str(worker.worker_id).rsplit("-", 1)[-1]
+    if not (tail.isascii() and tail.isdigit()):
+        raise PlacementError(
+            f"worker {worker.worker_id!r}: a start order needs ids ending in their index (train-0, eval-1)"
+        )
+    return int(tail)
 
 
 def _check_cpus(value: object) -> float:
@@ -253,7 +403,7 @@ def place_disaggregated(
     slots = _slots(topology, device_kind)
     if need > len(slots):
         raise _capacity_error(need, f"{n_train} train + {n_eval} eval workers", topology, device_kind)
-    ids = [(f"train-{i}", "train") for i in range(n_train)] + [(f"eval-{i}", "eval") for i in range(n_eval)]
+    ids = _worker_ids(n_train, n_eval)
     if mode == "packed":
         workers = [(wid, role, *slots[i]) for i, (wid, role) in enumerate(ids)]
         nodes_used = {slots[i][0] for i in range(need)}

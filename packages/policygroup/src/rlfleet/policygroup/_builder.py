@@ -1,29 +1,33 @@
-"""`build_policy_group`: actors from a rlfleet.placement plan, then the seed's init order."""
+"""`build_policy_group`: actors from a placement plan or in a caller's Ray placement group.
+
+A caller's group is recorded as Ray made it (`Placement.from_bundles`); a group the builder
+reserves pins each bundle to its planned node (`Placement.bundle_label_selectors`), so a bundle
+that cannot go there keeps it pending and the build fails at its deadline naming the nodes.
+Once the group is ready, and once the actors run, placement names any bundle or worker elsewhere.
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
-    PlacementGroupSchedulingStrategy,
-)
+from ray.util.placement_group import PlacementGroup, placement_group_table
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rlfleet.placement import Placement, Topology, TopologyError, place_colocated, place_disaggregated
+from rlfleet.placement import (
+    Placement,
+    PlacementError,
+    Topology,
+    TopologyError,
+    WorkerPlacement,
+    place_on_ray_nodes,
+    ray_node_topology,
+)
 from rlfleet.policygroup._comm import ray_nodes
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup._group import PolicyGroup
-from rlfleet.policygroup._placement_group import (
-    adopt_placement_group,
-    check_actor_nodes,
-    check_bundle_nodes,
-    pinned,
-    worker_resources,
-)
 from rlfleet.policygroup._worker import BasePolicy, PolicyRole
 
 
@@ -35,19 +39,12 @@ def ray_topology(
     overrides: Mapping[str, Any] | None = None,
 ) -> Topology:
     """A placement Topology of the alive Ray nodes (head first), `slots_per_node` devices of
-    `kind` each: rlfleet.placement's `Topology.from_ray_nodes` over ``ray.nodes()``.
-
-    Link rates come from `overrides` (``nic_bandwidth``, ``host_bandwidth``, ...), the node's
-    accelerator profile, or placement's documented fallback; ``topology.source`` says which.
-    """
-    opts: dict[str, Any] = {
-        ("gpus" if kind == "gpu" else "cpu_slots"): slots_per_node,
-        **dict(overrides or {}),
-    }
-    if nodes is not None:
-        opts["nodes"] = list(nodes)
+    `kind` each (placement's `ray_node_topology` over ``ray.nodes()``); link rates from
+    `overrides`, the node's accelerator profile or placement's fallback (``topology.source``)."""
     try:
-        return Topology.from_ray_nodes(ray_nodes(), opts)
+        return ray_node_topology(
+            ray_nodes(), nodes=nodes, slots_per_node=slots_per_node, device_kind=kind, overrides=overrides
+        )
     except TopologyError as exc:
         raise PolicyGroupError(f"Ray cluster topology: {exc}") from exc
 
@@ -62,19 +59,22 @@ def plan_placement(
     slots_per_node: int | None = None,
     mode: str = "packed",
 ) -> Placement:
-    """Where each worker goes: train-i / eval-i ids on Ray node ids (rlfleet.placement)."""
-    kind = "gpu" if (config.train_num_gpus or config.eval_num_gpus) else "cpu"
-    n_nodes = len(nodes) if nodes is not None else len([n for n in ray_nodes() if n.get("Alive")])
-    if slots_per_node is None:
-        need = num_train if colocated else num_train + num_eval
-        slots_per_node = max(1, math.ceil(need / max(1, n_nodes)))
-    topology = ray_topology(nodes, slots_per_node, kind, overrides=config.topology)
-    cpus = max(config.train_num_cpus, config.eval_num_cpus, 0.01)
-    if colocated:
-        return place_colocated(topology, num_train, num_eval, cpus_per_worker=cpus, device_kind=kind)
-    return place_disaggregated(
-        topology, num_train, num_eval, mode=mode, cpus_per_worker=cpus, device_kind=kind
-    )
+    """Where each worker goes: train-i / eval-i ids on Ray node ids (placement's `place_on_ray_nodes`)."""
+    try:
+        return place_on_ray_nodes(
+            ray_nodes(),
+            num_train,
+            num_eval,
+            colocated=colocated,
+            mode=mode,
+            nodes=nodes,
+            slots_per_node=slots_per_node,
+            device_kind="gpu" if (config.train_num_gpus or config.eval_num_gpus) else "cpu",
+            cpus_per_worker=max(config.train_num_cpus, config.eval_num_cpus, 0.01),
+            overrides=config.topology,
+        )
+    except TopologyError as exc:
+        raise PolicyGroupError(f"Ray cluster topology: {exc}") from exc
 
 
 def _reserve(placement: Placement, timeout_s: float) -> Any:
@@ -83,7 +83,7 @@ def _reserve(placement: Placement, timeout_s: float) -> Any:
     pg = ray.util.placement_group(
         placement.ray_bundles(),
         strategy=placement.strategy or "PACK",
-        bundle_label_selector=pinned(placement),
+        bundle_label_selector=placement.bundle_label_selectors(),
     )
     try:
         check_bundle_nodes(pg, placement, timeout_s)  # ready, and every bundle where planned
@@ -93,48 +93,91 @@ def _reserve(placement: Placement, timeout_s: float) -> Any:
     return pg
 
 
+def bundle_nodes(pg: Any, timeout_s: float, placement: Placement | None = None) -> list[str]:
+    """The Ray node id of every bundle of `pg`, once it is ready (PolicyGroupError after
+    `timeout_s`, naming the planned node of each bundle when `placement` is given)."""
+    if not isinstance(pg, PlacementGroup):
+        raise TypeError(f"placement_group must be a ray PlacementGroup, got {type(pg).__name__}")
+    name = f"placement group {pg.id.hex()[:12]}"
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        nodes = None if placement is None else [b.node[:12] for b in placement.bundles]
+        planned = "" if nodes is None else f": bundles {pg.bundle_specs} planned on nodes {nodes}"
+        raise PolicyGroupError(
+            f"{name} ({pg.bundle_count} bundles) not ready within {timeout_s:.0f}s{planned} "
+            "(a node without room for its bundle, or gone)"
+        ) from None
+    where = placement_group_table(pg).get("bundles_to_node_id", {})
+    missing = [i for i in range(pg.bundle_count) if not where.get(i)]
+    if missing:
+        raise PolicyGroupError(f"{name}: Ray reports no node for bundles {missing}")
+    return [str(where[i]) for i in range(pg.bundle_count)]
+
+
+def adopt_placement_group(
+    pg: Any, indices: Sequence[int] | None, num_train: int, num_eval: int, colocated: bool, timeout_s: float
+) -> Placement:
+    """The plan of workers in `pg`'s bundles (worker k in bundle ``indices[k]``), each bundle on
+    the node Ray put it on: `Placement.from_bundles` (defaults, checks) once `pg` is ready."""
+    nodes, strategy = bundle_nodes(pg, timeout_s), placement_group_table(pg).get("strategy")
+    return Placement.from_bundles(nodes, pg.bundle_specs, num_train, num_eval, indices, colocated, strategy)
+
+
+def check_bundle_nodes(pg: Any, placement: Placement, timeout_s: float) -> None:
+    """PolicyGroupError unless Ray put every bundle of `pg` on the node `placement` planned."""
+    try:
+        placement.check_bundle_nodes(bundle_nodes(pg, timeout_s, placement))
+    except PlacementError as exc:
+        raise PolicyGroupError(str(exc)) from None
+
+
 def _start_actors(
     policy_cls: type[BasePolicy],
     placement: Placement,
     pg: Any,
     config: PolicyConfig,
     kwargs: Mapping[str, Any],
-) -> dict[str, list[Any]]:
-    """One actor per planned worker, pinned to its node (or its bundle); trainers first."""
+) -> list[tuple[WorkerPlacement, Any]]:
+    """One actor per planned worker, pinned to its node (or its bundle), in placement's start order."""
     remote_cls = ray.remote(policy_cls)
-    actors: dict[str, list[Any]] = {"train": [], "eval": []}
-    for w in sorted(
-        placement.workers, key=lambda w: (w.role != "train", int(str(w.worker_id).split("-")[-1]))
-    ):
+    started: list[tuple[WorkerPlacement, Any]] = []
+    for w in placement.start_order():
         train = w.role == "train"
         cpus = config.train_num_cpus if train else config.eval_num_cpus
         gpus = config.train_num_gpus if train else config.eval_num_gpus
         strategy: Any = NodeAffinitySchedulingStrategy(node_id=w.node, soft=False)
         if pg is not None:  # a share of its bundle: all of a multi-GPU bundle's GPUs when alone
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w.bundle_index or 0)
-            cpus, gpus = worker_resources(placement, w, cpus)
+            cpus, gpus = placement.worker_resources(w, cpus)
+        index = sum(1 for v, _ in started if v.role == w.role)
         actor = remote_cls.options(
             num_cpus=cpus,
             num_gpus=gpus,
             max_concurrency=config.max_concurrency,
             scheduling_strategy=strategy,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
-        ).remote(config=config, role=PolicyRole(w.role), index=len(actors[w.role]), **kwargs)
-        actors[w.role].append(actor)
-    return actors
+        ).remote(config=config, role=PolicyRole(w.role), index=index, **kwargs)
+        started.append((w, actor))
+    return started
 
 
-def _wait_started(actors: dict[str, list[Any]], placement: Placement, pg: Any, timeout_s: float) -> None:
+def _wait_started(
+    started: list[tuple[WorkerPlacement, Any]], placement: Placement, pg: Any, timeout_s: float
+) -> None:
     """Every actor answers within `timeout_s`; in a placement group, each on its bundle's node."""
-    everyone = actors["train"] + actors["eval"]
-    ready, pending = ray.wait(
-        [a.is_alive.remote() for a in everyone], num_returns=len(everyone), timeout=timeout_s
-    )
+    refs = [actor._get_node_id.remote() for _, actor in started]
+    _ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if pending:
         raise PolicyGroupError(f"{len(pending)} policy actor(s) did not start within {timeout_s:.0f}s")
-    ray.get(ready, timeout=30)
-    if pg is not None:
-        check_actor_nodes(actors, placement, timeout_s)
+    found = ray.get(refs, timeout=30)
+    try:
+        if pg is not None:
+            placement.check_worker_nodes(
+                {w.worker_id: str(n) for (w, _), n in zip(started, found, strict=True)}
+            )
+    except PlacementError as exc:
+        raise PolicyGroupError(str(exc)) from None
 
 
 def build_policy_group(
@@ -161,7 +204,7 @@ def build_policy_group(
     reserves the plan's bundles in a Ray placement group first and fails if Ray put a bundle
     on another node than planned. `placement_group`: a ready (or pending) Ray placement group
     the caller made and keeps; worker k (trainers first) runs in bundle ``bundle_indices[k]``
-    (`_placement_group`: multi-GPU bundles, defaults). With `init`, runs the seed's order:
+    (`Placement.from_bundles`: multi-GPU bundles, defaults). With `init`, runs the seed's order:
     init (eval, train) -> init_placement_info -> init_weight_buffer -> init_comm_group.
     """
     if not ray.is_initialized():
@@ -169,15 +212,8 @@ def build_policy_group(
     if scheduling not in ("node_affinity", "placement_group"):
         raise ValueError(f"scheduling must be 'node_affinity' or 'placement_group', got {scheduling!r}")
     if placement_group is not None:
-        placement = adopt_placement_group(
-            placement_group,
-            bundle_indices,
-            num_train,
-            num_eval,
-            colocated=colocated,
-            timeout_s=ready_timeout_s,
-        )
         pg, owned = placement_group, []  # the caller's: never removed here
+        placement = adopt_placement_group(pg, bundle_indices, num_train, num_eval, colocated, ready_timeout_s)
     elif bundle_indices is not None:
         raise ValueError("bundle_indices names bundles of a placement_group: pass the group too")
     else:
@@ -186,24 +222,20 @@ def build_policy_group(
             num_eval,
             config,
             colocated=colocated,
+            mode=mode,
             nodes=nodes,
             slots_per_node=slots_per_node,
-            mode=mode,
         )
         pg = _reserve(placement, ready_timeout_s) if scheduling == "placement_group" else None
         owned = [] if pg is None else [pg]
-    actors = _start_actors(policy_cls, placement, pg, config, dict(policy_kwargs or {}))
-    everyone = actors["train"] + actors["eval"]
+    started = _start_actors(policy_cls, placement, pg, config, dict(policy_kwargs or {}))
+    trainers, rollout = ([a for w, a in started if w.role == role] for role in ("train", "eval"))
+    everyone = trainers + rollout
     group = PolicyGroup(
-        actors["train"],
-        actors["eval"],
-        config,
-        placement=placement,
-        owned_actors=everyone,
-        placement_groups=owned,
+        trainers, rollout, config, placement=placement, owned_actors=everyone, placement_groups=owned
     )
     try:
-        _wait_started(actors, placement, pg, ready_timeout_s)
+        _wait_started(started, placement, pg, ready_timeout_s)
         if init:
             group.init(train_config if train_config is not None else TrainConfig())
             group.init_placement_info(is_colocated=colocated)
