@@ -21,8 +21,9 @@ sorted by module, so this list is the map):
   `feed` (a stream of (name, tensor) into any consumer), `full_tensors` (FSDP2, one parameter
   at a time), `WeightStream` (what every sender takes next to a state dict);
 - a worker's calls: mixins any worker class inherits (`CommGroupCalls`, `WeightCalls`,
-  `RefitCalls`, `ReshardCalls`, typed against `WorkerSettings`), and its checkpoints, offload
-  and device facts;
+  `RefitCalls`, `ReshardCalls`, `StateCalls`, `ReferenceCalls`, `DeviceCalls`, `OffloadCalls`;
+  all of them: `WorkerCalls`), reading what `WorkerHost` declares, and the parts they share
+  (checkpoints, offload, device facts, profiler, timings);
 - deadlines and watchdogs; integrity checks; offload; cost probes (`measure_copy_terms`); errors.
 """
 
