@@ -117,11 +117,11 @@ class Settings:
 class Host(WorkerCalls):
     """The least a worker class provides for weightsync's worker calls (no Ray, no policygroup)."""
 
-    def __init__(self, seed: int, settings: Settings = Settings()) -> None:
+    def __init__(self, seed: int, settings: Settings = Settings(), device: str = "cpu") -> None:
         torch.manual_seed(seed)
         self.config = settings
-        self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
+        self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(self.device)
         self.role, self.index = "eval", seed
         self._init_parts()
 
@@ -183,14 +183,14 @@ def test_groups_need_the_world_first_and_say_so() -> None:
 def train_once(host: Host, seed: int) -> None:
     """One optimizer step of `host` on a batch drawn from `seed` (the same batch for every host)."""
     assert host.optimizer is not None
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed)).to(host.device)
     host.optimizer.zero_grad()
     host.model(x).pow(2).mean().backward()
     host.optimizer.step()
 
 
-def trained(seed: int, steps: int = 2) -> Host:
-    host = Host(seed)
+def trained(seed: int, steps: int = 2, device: str = "cpu") -> Host:
+    host = Host(seed, device=device)
     host.optimizer = host.build_optimizer(None)
     for step in range(steps):
         train_once(host, 100 + step)
@@ -340,3 +340,21 @@ def test_shutdown_finishes_the_checkpoint_and_leaves_the_node_buffer(tmp_path: P
     assert Checkpoints.load(path)["version"] == 0
     assert not glob.glob(f"/dev/shm/{name}*")  # unlinked by its writer
     assert host.stop_gpu_profiling() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_and_offload_calls_on_a_gpu_host() -> None:
+    host = trained(2, device="cuda")
+    before, moments = host.get_weight_checksum(), [t.cpu() for t in optimizer_tensors(host)]
+    host.offload_model_param_and_grad()
+    host.offload_optimizer()
+    assert {t.device.type for t in host.model.parameters()} == {"cpu"}
+    host.reload_model_param_and_grad()
+    host.reload_optimizer()
+    assert {t.device.type for t in host.model.parameters()} == {"cuda"}
+    assert host.get_weight_checksum() == before
+    assert all(torch.equal(x, y.cpu()) for x, y in zip(moments, optimizer_tensors(host), strict=True))
+    assert host.report_device_id().startswith("GPU-")
+    assert host.get_gpu_info()["device"].startswith("cuda:")
+    assert host.report_node_ip_and_gpu_id() == ("127.0.0.1", 0)
