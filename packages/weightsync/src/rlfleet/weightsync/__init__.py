@@ -21,8 +21,9 @@ sorted by module, so this list is the map):
   `feed` (a stream of (name, tensor) into any consumer), `full_tensors` (FSDP2, one parameter
   at a time), `WeightStream` (what every sender takes next to a state dict);
 - a worker's calls: mixins any worker class inherits (`CommGroupCalls`, `WeightCalls`,
-  `RefitCalls`, `ReshardCalls`, typed against `WorkerSettings`), and its checkpoints, offload
-  and device facts;
+  `RefitCalls`, `ReshardCalls`, `StateCalls`, `ReferenceCalls`, `DeviceCalls`, `OffloadCalls`;
+  all of them: `WorkerCalls`), reading what `WorkerHost` declares, and the parts they share
+  (checkpoints, offload, device facts, profiler, timings);
 - deadlines and watchdogs; integrity checks; offload; cost probes (`measure_copy_terms`); errors.
 """
 
@@ -162,6 +163,8 @@ from rlfleet.weightsync._transforms import (
     plan_transforms,
 )
 from rlfleet.weightsync._wire_base import BucketTarget, SyncStats, TensorTarget
+from rlfleet.weightsync._worker import WorkerCalls
+from rlfleet.weightsync._worker_base import WorkerHost
 from rlfleet.weightsync._worker_calls import WeightCalls
 from rlfleet.weightsync._worker_comm import (
     CommGroupCalls,
@@ -180,6 +183,9 @@ from rlfleet.weightsync._worker_device import (
 )
 from rlfleet.weightsync._worker_host import BufferSettings, WorkerSettings
 from rlfleet.weightsync._worker_offload import Offload
+from rlfleet.weightsync._worker_reference import ReferenceCalls, reference_logprobs
+from rlfleet.weightsync._worker_resources import DeviceCalls, OffloadCalls
+from rlfleet.weightsync._worker_state import StateCalls
 
 __all__ = [
     "ALIGNMENT",
@@ -211,6 +217,7 @@ __all__ = [
     "CudaIpcSender",
     "Deadline",
     "DeferredCommit",
+    "DeviceCalls",
     "DirectBuffer",
     "DirectEndpoint",
     "DiscardingConsumer",
@@ -233,6 +240,7 @@ __all__ = [
     "NcclSender",
     "NcclWire",
     "Offload",
+    "OffloadCalls",
     "OffloadStats",
     "P2PWire",
     "ParallelMode",
@@ -242,6 +250,7 @@ __all__ = [
     "Profiler",
     "RankProgram",
     "RecordingConsumer",
+    "ReferenceCalls",
     "RefitCalls",
     "RefitChannel",
     "RefitChannelError",
@@ -264,6 +273,7 @@ __all__ = [
     "ShmRingReceiver",
     "ShmRingSender",
     "SlotsStillMappedError",
+    "StateCalls",
     "SyncAbortedError",
     "SyncStats",
     "SyncTimeoutError",
@@ -290,7 +300,9 @@ __all__ = [
     "WeightStream",
     "WeightSyncError",
     "WeightTransform",
+    "WorkerCalls",
     "WorkerComm",
+    "WorkerHost",
     "WorkerSettings",
     "WorkerWeights",
     "__version__",
@@ -343,6 +355,7 @@ __all__ = [
     "plan_transforms",
     "probe_layout",
     "process_alive",
+    "reference_logprobs",
     "reload_module",
     "reload_optimizer",
     "reset_group_numbering",

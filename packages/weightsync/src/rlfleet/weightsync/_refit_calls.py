@@ -15,15 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
 from rlfleet.weightsync._deadline import stand_down_armed_watchdogs
-from rlfleet.weightsync._endpoint_worker import WorkerWeights
 from rlfleet.weightsync._engines import EngineRefit, RolloutEngines
 from rlfleet.weightsync._errors import CommGroupError
 from rlfleet.weightsync._refit_channel import RefitChannel, import_zmq
-from rlfleet.weightsync._worker_comm import WorkerComm
-from rlfleet.weightsync._worker_host import WorkerSettings
+from rlfleet.weightsync._worker_base import WorkerHost
 
 __all__ = ["RefitCalls", "transport_state"]
 
@@ -46,17 +42,11 @@ def _part(worker: Any, name: str, make: Any) -> Any:
     return part
 
 
-class RefitCalls:
+class RefitCalls(WorkerHost):
     """The refit calls of NeMo RL's policy worker, for a worker class to inherit (policygroup's
     `BasePolicy` does)."""
 
-    # Provided by the host class (see `WorkerSettings`; policygroup's `BasePolicy` is one).
-    config: WorkerSettings
-    device: torch.device
-    model: torch.nn.Module
-    _comm: WorkerComm
-    _weights: WorkerWeights
-    report_device_id: Callable[[], str]
+    report_device_id: Callable[[], str]  # the host's (`DeviceCalls`)
 
     def _refit_transport_state(self, key: str) -> dict[str, Any]:
         """Return the mutable state dict for one refit transport, e.g. "rollout_engines".

@@ -21,15 +21,13 @@ import torch
 from rlfleet.weightsync._buffers import DoubleBuffer
 from rlfleet.weightsync._consumers import module_part_buffer
 from rlfleet.weightsync._deadline import Deadline
-from rlfleet.weightsync._endpoint_worker import WorkerWeights
 from rlfleet.weightsync._errors import CommGroupError
 from rlfleet.weightsync._member import MemberGroup
 from rlfleet.weightsync._refit_calls import DEFAULT_REFIT_TIMEOUT_S, transport_state
 from rlfleet.weightsync._rendezvous import connect_store
 from rlfleet.weightsync._reshard import PeerGroup, RankProgram, ReshardReceiver, ReshardSender, ReshardStats
-from rlfleet.weightsync._serving import ServingLock
 from rlfleet.weightsync._sync_watch import SyncWatch, WatchedP2PWire
-from rlfleet.weightsync._worker_host import WorkerSettings
+from rlfleet.weightsync._worker_base import WorkerHost
 
 __all__ = ["ReshardCalls", "ReshardState"]
 
@@ -55,19 +53,9 @@ class ReshardState:
     watch: SyncWatch = field(default_factory=lambda: SyncWatch("nccl_reshard"))
 
 
-class ReshardCalls:
+class ReshardCalls(WorkerHost):
     """The ``nccl_reshard`` calls of NeMo RL's policy worker that run the plan, for a worker class
     to inherit (policygroup's `BasePolicy` does, and plans with `_prepare_reshard`)."""
-
-    # Provided by the host class.
-    role: Any
-    model: torch.nn.Module
-    index: int
-    device: torch.device
-    config: WorkerSettings
-    pp_comm_group: Any
-    _serve: ServingLock
-    _weights: WorkerWeights
 
     # -- hooks ------------------------------------------------------------------------------
     def reshard_rank(self) -> int:

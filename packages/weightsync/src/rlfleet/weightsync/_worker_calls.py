@@ -29,10 +29,8 @@ from rlfleet.weightsync._endpoint_worker import WorkerWeights
 from rlfleet.weightsync._endpoints import WeightEndpoint
 from rlfleet.weightsync._errors import SyncTimeoutError
 from rlfleet.weightsync._probes import measure_copy_terms, probe_layout
-from rlfleet.weightsync._serving import ServingLock
 from rlfleet.weightsync._shares import SharesReceiver
-from rlfleet.weightsync._worker_comm import WorkerComm
-from rlfleet.weightsync._worker_host import WorkerSettings
+from rlfleet.weightsync._worker_base import WorkerHost
 
 Timed = dict[str, Any]
 
@@ -60,17 +58,10 @@ def timed(fn: Callable[[], Any], phase: str | None = None) -> Timed:
     return out
 
 
-class WeightCalls:
+class WeightCalls(WorkerHost):
     """Receiving, staging, applying and sending weights (for a worker class to inherit)."""
 
-    # Provided by the host class (see `WorkerSettings`; policygroup's `BasePolicy` is one).
-    config: WorkerSettings
-    model: torch.nn.Module
-    _comm: WorkerComm
-    _serve: ServingLock
-    _weights: WorkerWeights
-    _restarted: bool
-
+    # Provided by the host class, besides what `WorkerHost` declares.
     _refuse_if_restarted: Callable[[], None]
     get_state_dict: Callable[[], dict[str, torch.Tensor]]
     load_state_dict: Callable[[Mapping[str, torch.Tensor]], None]
@@ -167,10 +158,6 @@ class WeightCalls:
             strategy = "Shared" if shared_weight_buffer is not None else default
         self._weights.init_endpoint(self.model, strategy, shared_weight_buffer, layout)
         self._restarted = False
-
-    def release_weight_buffers(self) -> int:
-        """Leave the node's buffer, unlinking it if this worker wrote it; returns how many unlinked."""
-        return self._weights.release()
 
     def create_shared_writer(
         self, layout: Mapping[str, Any], num_readers: int, prefix: str = "rlfleet", checksums: bool = False

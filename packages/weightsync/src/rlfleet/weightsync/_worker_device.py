@@ -8,11 +8,13 @@ many threads, and the profiler must stop on the thread that started it), and cal
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import platform
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -139,6 +141,15 @@ class Timings:
         entry = self._entries.setdefault(name, [0.0, 0.0])
         entry[0] += 1
         entry[1] += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def measure(self, name: str) -> Iterator[None]:
+        """Count the block as one call of `name`, however it ends (a raised error included)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, start)
 
     def summary(self, who: str, reset: bool = False) -> dict[str, dict[str, float]]:
         """Print and return count, total and mean seconds by name; `reset` starts counting anew."""

@@ -1,4 +1,4 @@
-"""What the worker mixins (`CommGroupCalls`, `WeightCalls`, `RefitCalls`) need from their host.
+"""The settings the worker mixins read from their host's `config` (`WorkerHost` declares the rest).
 
 The host class is any worker object that holds a model and these settings (policygroup's
 `BasePolicy` with its `PolicyConfig`). Read-only protocols, so a config whose fields are
