@@ -54,26 +54,23 @@ def broadcast_rate(group: PolicyGroup) -> float | None:
     return float(PROBE_BYTES * max(1, remote) / statistics.median(seconds[1:]))
 
 
-def prior(group: PolicyGroup) -> CostModel:
-    """The terms measured on their own, each by its probe."""
-    rtt = control_round_trip(group)
-    terms = group._calls.call_all(group.train_list[:1], "probe_copy_terms")[0]  # weightsync's names
-    rate = broadcast_rate(group) if all(is_remote(p) for p in group.train_list + group.eval_list) else None
-    base = group.config.cost_model or CostModel()
-    return base.with_measured_terms(control_round_trip_s=rtt, broadcast_bytes_per_s=rate, **terms)
-
-
 def calibrate(
     group: PolicyGroup, syncs: int = 3, extra: Sequence[tuple[SyncReport, SyncPlan]] = ()
 ) -> CostModel:
-    """The prior model fitted to `syncs` real syncs of the group (the first, which pays one-time
-    costs, left out) and the `extra` measured syncs (other plans on the same cluster)."""
+    """The terms measured on their own, fitted to `syncs` real syncs of the group (the first, which
+    pays one-time costs, left out) and the `extra` measured syncs (other plans on this cluster)."""
     if group.weight_buffer_strategy is None or group.sync_plan is None:
         raise PolicyGroupError("calibrate: wire the group first (init_placement_info, init_weight_buffer)")
-    model, measured = prior(group), []
+    rtt = control_round_trip(group)
+    terms = group._calls.call_all(group.train_list[:1], "probe_copy_terms")[0]  # weightsync's names
+    rate = broadcast_rate(group) if all(is_remote(p) for p in group.train_list + group.eval_list) else None
+    model = (group.config.cost_model or CostModel()).with_measured_terms(
+        control_round_trip_s=rtt, broadcast_bytes_per_s=rate, **terms
+    )
+    pairs: list[tuple[SyncReport, SyncPlan]] = []
     for i in range(syncs + 1 if syncs > 0 and group.eval_list else 0):
         report, plan = group.sync_weights(), group.sync_plan
         if i and report is not None and report.ok and plan is not None:
-            measured.append((report, plan))
-    pairs = [*measured, *extra]
+            pairs.append((report, plan))
+    pairs += extra
     return model.refined([r for r, _ in pairs], [p for _, p in pairs]) if pairs else model

@@ -83,9 +83,8 @@ def cluster_topology(nodes: Sequence[str], overrides: Mapping[str, Any]) -> Topo
 
 def ipc_mode(config: PolicyConfig, actors: bool) -> bool | Literal["force"]:
     """`plan_sync`'s ``cuda_ipc`` for this config (placement's `cuda_ipc_mode`); `actors`: Ray actors."""
-    wb = config.weight_buffer
     try:
-        return cuda_ipc_mode(wb.cuda_ipc, wb.buffer_strategy, actors)
+        return cuda_ipc_mode(config.weight_buffer.cuda_ipc, config.weight_buffer.buffer_strategy, actors)
     except ValueError as exc:
         raise PolicyGroupError(f"weight_buffer: {exc}") from exc
 
@@ -97,8 +96,7 @@ def plan_for(
     colocated: bool,
     cuda_ipc: bool | Literal["force"] = False,
 ) -> SyncPlan:
-    """The plan placement makes for these processes and the trainers' layout (validated);
-    `cuda_ipc` from `ipc_mode`."""
+    """Placement's plan for these processes and the trainers' layout; `cuda_ipc` from `ipc_mode`."""
     wb, parsed, cost = config.weight_buffer, Layout.from_dict(layout), config.cost_model
     overrides = {**(cost.topology_overrides() if cost else {}), **(config.topology or {})}
     topology = cluster_topology([p.node for p in processes], overrides)

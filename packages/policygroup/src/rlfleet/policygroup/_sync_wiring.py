@@ -1,10 +1,6 @@
-"""A `SyncPlan`'s node buffers, endpoints and communication groups, made on the actors.
-
-What to make is placement's (`node_wiring`, `SyncGroups`); here are the calls. After a worker
-died, joined, was popped or converted, only `nodes_to_rewire`'s nodes are rebuilt (releasing
-their workers' buffers also closes their CUDA IPC channels) and groups a new plan needs are
-made among their members alone.
-"""
+"""A `SyncPlan`'s node buffers, endpoints and communication groups made on the actors; what to make
+is placement's (`node_wiring`, `SyncGroups`). Releasing a node's buffers also closes its workers'
+CUDA IPC channels; groups a re-plan needs are made among their members alone."""
 
 from __future__ import annotations
 
@@ -33,18 +29,15 @@ class Wiring:
         self.backend = "gloo"
 
     def wire_nodes(self, plan: SyncPlan, layout: Mapping[str, Any], nodes: Iterable[str]) -> None:
-        """Rebuild the node buffer and the rollout workers' endpoints of `nodes`."""
+        """Rebuild the node buffer and the rollout workers' endpoints of `nodes` (none: nothing)."""
         todo, by_pid, wb = node_wiring(plan, nodes), self.processes.by_pid(), self.config.weight_buffer
-        if not todo.processes and not todo.unbuffered:
-            return
         self.calls.call_all([by_pid[p] for p in todo.processes], "release_weight_buffers")
         for buf in todo.buffers:
-            writer = by_pid[buf.writer]
+            node, writer = buf.node, by_pid[buf.writer]
             args = (dict(layout), buf.readers, f"rlfleet-{self.uid}", wb.checksums)
-            [self.names[buf.node]] = self.calls.call_all([writer], "create_shared_writer", *args)
-            spec, users = {"name": self.names[buf.node], "node_id": buf.node}, [by_pid[r] for r in buf.users]
-            self.node_buffers[buf.node] = {"shared_weight_buffer": spec, "eval_policies": users}
-            self.node_buffers[buf.node]["writer"] = writer
+            [self.names[node]] = self.calls.call_all([writer], "create_shared_writer", *args)
+            spec, users = {"name": self.names[node], "node_id": node}, [by_pid[r] for r in buf.users]
+            self.node_buffers[node] = {"shared_weight_buffer": spec, "eval_policies": users, "writer": writer}
         for node in todo.unbuffered:
             self.node_buffers.pop(node, None)
             self.names.pop(node, None)
@@ -69,7 +62,7 @@ class Wiring:
         self.groups, self.gather_groups = comm.groups, comm.gather_groups
 
     def ensure_groups(self, plan: SyncPlan) -> None:
-        """A member group for every group of `plan` that has none yet (after a re-plan)."""
+        """A member group for every group of `plan` that has none yet (after a re-plan; none: no call)."""
         if all(g in self.groups for g in plan.groups()):
             return
         if self.comm is None:
@@ -78,8 +71,6 @@ class Wiring:
             make = self.comm.add_missing(plan)
         except ValueError as exc:
             raise PolicyGroupError(f"{exc}; call init_comm_group()") from exc
-        if not make:
-            return
         by_pid, timeout = self.processes.by_pid(), self.config.group_timeout_s
         actors = {pid: by_pid[pid] for pid in {self.comm.process_of(r) for g in make for r in g.ranks}}
         names = {pid: self.processes.roster.name(p) for pid, p in by_pid.items()}
