@@ -8,7 +8,8 @@ executor (and its tests) plans the same way without a cluster.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Literal, cast
 
 from rlfleet.placement._cost_model import CostModel
@@ -82,30 +83,19 @@ def make_sync_plan(
     is refused with a SyncPlanError that says what to change."""
     if planner not in PLANNERS:
         raise SyncPlanError(f"planner must be one of {list(PLANNERS)}, got {planner!r}")
-    if planner == "seed":
-        plan = seed_sync_plan(
-            processes,
-            bucket_bytes,
-            strategy,
-            topology=topology,
-            cost=cost,
-            layout_digest=layout_digest,
-            bucket_tensors=bucket_tensors,
-            colocated=colocated,
-        )
-    else:
-        plan = plan_sync(
-            processes,
-            bucket_bytes,
-            strategy,
-            topology=topology,
-            cost=cost,
-            layout_digest=layout_digest,
-            bucket_tensors=bucket_tensors,
-            senders=cast(Literal["all", "one"], senders),
-            fanout=cast(Literal["auto", "node_buffer", "direct"], fanout),
-            cuda_ipc=cuda_ipc,
-        )
+    make: Callable[..., SyncPlan] = partial(seed_sync_plan, colocated=colocated)
+    if planner == "rlfleet":
+        fan = cast(Literal["auto", "node_buffer", "direct"], fanout)
+        make = partial(plan_sync, senders=cast(Literal["all", "one"], senders), fanout=fan, cuda_ipc=cuda_ipc)
+    plan = make(
+        processes,
+        bucket_bytes,
+        strategy,
+        topology=topology,
+        cost=cost,
+        layout_digest=layout_digest,
+        bucket_tensors=bucket_tensors,
+    )
     plan.validate()
     if not cuda_ipc and any(s.transport == "cuda_ipc" for s in plan.steps):
         raise SyncPlanError(
