@@ -215,3 +215,42 @@ def test_a_tensor_parallel_receiver_needs_only_its_shard() -> None:
     assert priced.lower_bound_seconds == pytest.approx(1.0e12 / 16 / 50e9, rel=1e-3)
     assert priced.lower_bound_seconds < 1.3
     assert priced.lower_bound_seconds <= priced.predicted_seconds <= 1.25 * priced.lower_bound_seconds
+
+
+def test_measured_terms_make_the_prior_a_calibration_refines() -> None:
+    base = CostModel(protocol_efficiency=0.8)
+    probes = {"control_round_trip_s": 2e-3, "memcpy_bytes_per_s": 4e9}
+    probes.update(per_tensor_s=1e-5, per_bucket_s=3e-4)
+    prior = base.with_measured_terms(**probes)
+    assert (prior.control_round_trip_s, prior.per_tensor_s, prior.per_bucket_s) == (2e-3, 1e-5, 3e-4)
+    assert prior.memcpy_bytes_per_s == prior.load_bytes_per_s == 4e9  # a host copy stands for the load
+    assert (prior.inter_node_bytes_per_s, prior.protocol_efficiency) == (base.inter_node_bytes_per_s, 0.8)
+    assert prior.source == "calibrate(): control round trip 2 ms, memcpy 4 GB/s, 10 us/tensor, 300 us/bucket"
+    wired = base.with_measured_terms(**probes, broadcast_bytes_per_s=9e8)
+    assert wired.inter_node_bytes_per_s == wired.intra_node_bytes_per_s == 9e8
+    assert wired.protocol_efficiency == 1.0  # the protocol's rate as measured: efficiency is in it
+    assert wired.source.endswith(", broadcast 0.9 GB/s")
+    with pytest.raises(CostModelError, match="memcpy_bytes_per_s must be a positive finite number"):
+        base.with_measured_terms(**{**probes, "memcpy_bytes_per_s": 0.0})
+    rng = random.Random(3)
+    plans = _plans(rng, 8)
+    reports = _measure(plans, TRUTH, 0.0, rng)
+    refined = prior.refined(reports, plans)
+    assert refined.linear_values() == prior.fit(reports, plans).linear_values()
+    assert refined.source.startswith(f"{prior.source}; then CostModel.fit: NNLS over ")
+    assert "unfitted terms from" not in refined.source  # the prior's source is named once, first
+
+
+def test_topology_overrides_keep_a_models_rates() -> None:
+    model = CostModel(inter_node_bytes_per_s=3e9, latency_s=1e-4, intra_node_bytes_per_s=20e9)
+    assert model.topology_overrides() == {"nic_bandwidth": 3e9, "nic_latency": 1e-4, "host_bandwidth": 20e9}
+    nodes = [
+        {"NodeID": name * 56, "Alive": True, "NodeManagerAddress": f"10.0.0.{i}", "Resources": {"CPU": 1.0}}
+        for i, name in enumerate("ab")
+    ]
+    procs = [SyncProcess("t0", "trainer", "a" * 56), SyncProcess("r0", "rollout", "b" * 56)]
+    topology = Topology.from_ray_nodes(nodes, model.topology_overrides())
+    kept = plan_sync(procs, [MiB] * 4, "Double", topology=topology, cost=model)
+    assert (kept.cost.inter_node_bytes_per_s, kept.cost.latency_s) == (3e9, 1e-4)
+    fallback = plan_sync(procs, [MiB] * 4, "Double", topology=Topology.from_ray_nodes(nodes), cost=model)
+    assert fallback.cost.inter_node_bytes_per_s != 3e9  # without them the topology's fallback NIC wins

@@ -1,4 +1,4 @@
-"""The policy group's parts on their own, in one process: the group's sync plan and call failure
+"""The policy group's parts on their own, in one process: its workers in a sync plan and call failure
 classification (the Ray paths are in test_cluster; the worker's components are weightsync's and
 tested in tests/weightsync/test_worker_components.py)."""
 
@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from pg_policies import MLPPolicy
 
-from rlfleet.placement import nodes_to_rewire, plan_sync
+from rlfleet.placement import make_sync_plan, sync_processes
 from rlfleet.policygroup import PolicyConfig, PolicyGroupError, PolicyRole, WeightBufferConfig
 from rlfleet.policygroup._calls import Calls, Roster, vagueness
-from rlfleet.policygroup._sync_plan import Processes, plan_for
-from rlfleet.weightsync import LayoutMismatchError
+from rlfleet.policygroup._sync_plan import Processes, ipc_mode, plan_for
+from rlfleet.weightsync import Layout, LayoutMismatchError
 
 
 def _processes(strategy: str, n_train: int = 2) -> tuple[list[Any], list[Any], Processes]:
@@ -44,29 +44,22 @@ def _plan(strategy: str, **wb: Any) -> tuple[list[Any], list[Any], Processes, An
     return train, evals, processes, plan_for(processes.sync_processes(strategy), layout, config, False)
 
 
-def test_the_plan_is_placements_plan_sync_over_the_group_processes() -> None:
-    train, evals, processes, plan = _plan("Double")
-    ids = [processes.pid(p) for p in train + evals]
-    assert ids == ["t0", "t1", "r0", "r1", "r2", "r3"]
-    expected = plan_sync(processes.sync_processes("Double"), plan.bucket_bytes, "Double")
+def test_the_plan_is_placements_over_the_group_processes() -> None:
+    """How placement chooses and wires a plan is tested in tests/placement/test_sync_wiring.py;
+    here: the group's workers reach it with their stable ids, sites and layout."""
+    train, evals, processes, plan = _plan("Sharded")
+    assert [processes.pid(p) for p in train + evals] == ["t0", "t1", "r0", "r1", "r2", "r3"]
+    sites = [(p.id, p.role, p.node, -1, f"host-{p.node}") for p in plan.processes]
+    expected = make_sync_plan(sync_processes(sites, "Sharded"), plan.bucket_bytes, "Sharded")
     assert [s.signature() for s in plan.steps] == [s.signature() for s in expected.steps]
-    shares = [s for s in plan.steps if s.transport == "broadcast"]
-    assert [s.src for s in shares] == ["t0", "t1"]  # several senders: each trainer sends a share
-    assert all(s.dst == ("r2", "r3") for s in shares)  # node C has no trainer: direct fan-out
-    assert sorted(b for s in shares for b in s.buckets) == list(range(len(plan.bucket_bytes)))
+    assert {p.id: p.shard for p in plan.rollouts} == {"r0": (0, 1), "r1": (0, 1), "r2": (0, 2), "r3": (1, 2)}
+    assert plan.layout_digest == Layout.from_dict(train[0].get_weight_layout(1024)).digest
     assert plan.topology_source.startswith("fallback")  # no Ray here: priced on the documented defaults
-    seed = _plan("Double", planner="seed")[3]
-    assert seed.name == "seed"
-
-
-def test_sharded_rollout_workers_carry_their_node_share() -> None:
-    *_, plan = _plan("Sharded")
-    assert {p.id: p.shard for p in plan.rollouts} == {
-        "r0": (0, 1),
-        "r1": (0, 1),
-        "r2": (0, 2),
-        "r3": (1, 2),
-    }
+    assert _plan("Double", planner="seed")[3].name == "seed"
+    host = PolicyConfig(weight_buffer=WeightBufferConfig(cuda_ipc="host"))
+    with pytest.raises(PolicyGroupError, match="weight_buffer: cuda_ipc 'host' needs Ray actors"):
+        ipc_mode(host, actors=False)
+    assert ipc_mode(host, actors=True) == "force"
 
 
 def test_ids_are_stable_and_a_new_role_gets_a_new_id() -> None:
@@ -77,20 +70,6 @@ def test_ids_are_stable_and_a_new_role_gets_a_new_id() -> None:
     processes.roster.policy_list[PolicyRole.EVAL].remove(evals[3])
     processes.roster.policy_list[PolicyRole.TRAIN].append(evals[3])
     assert processes.pid(evals[3]) == "t2"
-
-
-def test_a_death_rebuilds_only_the_node_it_changed() -> None:
-    train, evals, processes, plan = _plan("Shared")
-    processes.roster.policy_list[PolicyRole.EVAL].remove(evals[3])
-    layout = train[0].get_weight_layout(1024)
-    config = PolicyConfig(
-        weight_buffer=WeightBufferConfig(buffer_strategy="Shared", type="CPUWeightBuffer", bucket_bytes=1024)
-    )
-    again = plan_for(processes.sync_processes("Shared"), layout, config, False)
-    assert nodes_to_rewire(plan, again) == {"C"}
-    assert nodes_to_rewire(plan, plan) == set()
-    assert nodes_to_rewire(None, plan) == {"A", "B", "C"}
-    assert again.diff(plan).processes_removed == ("r3",)
 
 
 def test_fanouts_that_cannot_run_are_refused_in_the_config() -> None:

@@ -57,12 +57,22 @@ from rlfleet.placement._sync_plan import (
 from rlfleet.placement._sync_planner import plan_sync, seed_sync_plan, split_shares
 from rlfleet.placement._sync_report import MEASURED_PHASES, StepReport, SyncReport
 from rlfleet.placement._sync_schedule import CALL_KINDS, GroupPart, PlannedCall, schedule_calls, sync_report
+from rlfleet.placement._sync_setup import (
+    CUDA_IPC_SETTINGS,
+    PLANNERS,
+    WorkerSite,
+    cuda_ipc_mode,
+    make_sync_plan,
+    sync_processes,
+)
+from rlfleet.placement._sync_wiring import BufferWiring, NodeWiring, SyncGroups, node_wiring
 from rlfleet.placement._topology import DEVICE_KINDS, LINK_KINDS, Device, Link, Port, Switch, Topology
 from rlfleet.placement._transfer import DEFAULT_BUCKET_BYTES, RELAY_MODES, plan_transfer
 from rlfleet.placement._transfer_seed import cost_transfer_info, seed_plan
 
 __all__ = [
     "CALL_KINDS",
+    "CUDA_IPC_SETTINGS",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_STRIPE_BYTES",
     "DEVICE_KINDS",
@@ -74,12 +84,14 @@ __all__ = [
     "LINK_KINDS",
     "MEASURED_PHASES",
     "NODE_ID_LABEL",
+    "PLANNERS",
     "RELAY_MODES",
     "SYNC_STRATEGIES",
     "TRAIN_DATA_PARALLEL",
     "TRANSPORTS",
     "WEIGHT_BUFFER_STRATEGIES",
     "WEIGHT_TRANSFER",
+    "BufferWiring",
     "Bundle",
     "CapacityError",
     "ColocatedSizeError",
@@ -94,6 +106,7 @@ __all__ = [
     "LinkLoad",
     "Move",
     "NodeBuffer",
+    "NodeWiring",
     "NvidiaSmiTopo",
     "Parallelism",
     "ParamSpec",
@@ -107,6 +120,7 @@ __all__ = [
     "ReshardPlan",
     "StepReport",
     "Switch",
+    "SyncGroups",
     "SyncPlan",
     "SyncPlanDiff",
     "SyncPlanError",
@@ -118,12 +132,16 @@ __all__ = [
     "TransferPlan",
     "TransferStep",
     "WorkerPlacement",
+    "WorkerSite",
     "__version__",
     "build_transfer_info_for_colocated",
     "build_transfer_info_for_disaggregated",
     "cost_transfer_info",
+    "cuda_ipc_mode",
     "endpoint_needs",
     "lower_bound_seconds",
+    "make_sync_plan",
+    "node_wiring",
     "nodes_to_rewire",
     "parse_nvidia_smi_topo",
     "pipeline_seconds",
@@ -141,5 +159,6 @@ __all__ = [
     "seed_plan",
     "seed_sync_plan",
     "split_shares",
+    "sync_processes",
     "sync_report",
 ]

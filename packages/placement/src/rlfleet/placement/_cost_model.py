@@ -184,7 +184,46 @@ class CostModel:
             raise CostModelError(f"unknown CostModel field(s) {unknown}")
         return dataclasses.replace(self, **changes)
 
+    def topology_overrides(self) -> dict[str, float]:
+        """`Topology.from_ray_nodes` overrides with this model's rates, so a topology built for a
+        calibrated model prices links as the model does."""
+        return {
+            "nic_bandwidth": self.inter_node_bytes_per_s,
+            "nic_latency": self.latency_s,
+            "host_bandwidth": self.intra_node_bytes_per_s,
+        }
+
     # ------------------------------------------------------------------ calibration
+    def with_measured_terms(
+        self,
+        *,
+        control_round_trip_s: float,
+        memcpy_bytes_per_s: float,
+        per_tensor_s: float,
+        per_bucket_s: float,
+        broadcast_bytes_per_s: float | None = None,
+    ) -> CostModel:
+        """A copy with the terms measured on their own (the prior a fit refines): a host copy
+        rate stands for the load rate too; a measured broadcast rate is the protocol's rate with
+        its efficiency in it, on either link class. ``source`` lists what was measured."""
+        changes: dict[str, Any] = {
+            "control_round_trip_s": control_round_trip_s,
+            "memcpy_bytes_per_s": memcpy_bytes_per_s,
+            "load_bytes_per_s": memcpy_bytes_per_s,
+            "per_tensor_s": per_tensor_s,
+            "per_bucket_s": per_bucket_s,
+        }
+        rate = broadcast_bytes_per_s
+        if rate is not None:
+            changes.update(inter_node_bytes_per_s=rate, intra_node_bytes_per_s=rate, protocol_efficiency=1.0)
+        source = (
+            f"calibrate(): control round trip {control_round_trip_s * 1e3:.3g} ms, "
+            f"memcpy {memcpy_bytes_per_s / 1e9:.3g} GB/s, "
+            f"{per_tensor_s * 1e6:.3g} us/tensor, {per_bucket_s * 1e6:.3g} us/bucket"
+            + ("" if rate is None else f", broadcast {rate / 1e9:.3g} GB/s")
+        )
+        return self.replace(source=source, **changes)
+
     def fit(self, reports: Sequence[SyncReport], plans: Sequence[SyncPlan]) -> CostModel:
         """Calibrate from measured syncs: non-negative least squares over every measured phase.
 
@@ -199,6 +238,13 @@ class CostModel:
         from rlfleet.placement._cost_fit import fit_cost_model
 
         return fit_cost_model(self, reports, plans)
+
+    def refined(self, reports: Sequence[SyncReport], plans: Sequence[SyncPlan]) -> CostModel:
+        """`fit`, its ``source`` naming this model's source first and then the fit's (how a
+        calibration's prior was measured stays readable)."""
+        fitted = self.fit(reports, plans)
+        fit = fitted.source.split(";")[0].removeprefix("CostModel.fit: ")
+        return fitted.replace(source=f"{self.source}; then CostModel.fit: {fit}")
 
     # ------------------------------------------------------------------ data
     def to_dict(self) -> dict[str, Any]:
