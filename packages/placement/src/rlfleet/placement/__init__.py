@@ -54,7 +54,7 @@ from rlfleet.placement._sync_plan import (
     SyncProcess,
     SyncStep,
 )
-from rlfleet.placement._sync_planner import plan_sync, seed_sync_plan, split_shares
+from rlfleet.placement._sync_planner import FANOUTS, SENDERS, plan_sync, seed_sync_plan, split_shares
 from rlfleet.placement._sync_report import MEASURED_PHASES, StepReport, SyncReport
 from rlfleet.placement._sync_schedule import CALL_KINDS, GroupPart, PlannedCall, schedule_calls, sync_report
 from rlfleet.placement._sync_setup import (
@@ -77,6 +77,7 @@ __all__ = [
     "DEFAULT_STRIPE_BYTES",
     "DEVICE_KINDS",
     "DTYPE_SIZES",
+    "FANOUTS",
     "GROUP_TRANSPORTS",
     "HARDWARE_PROFILES",
     "INTRA_NODE",
@@ -86,6 +87,7 @@ __all__ = [
     "NODE_ID_LABEL",
     "PLANNERS",
     "RELAY_MODES",
+    "SENDERS",
     "SYNC_STRATEGIES",
     "TRAIN_DATA_PARALLEL",
     "TRANSPORTS",

@@ -5,17 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.placement import CostModel
+from rlfleet.placement import CUDA_IPC_SETTINGS, FANOUTS, PLANNERS, SENDERS, CostModel
 from rlfleet.weightsync import WEIGHT_BUFFER_STRATEGIES, check_strategy
 
 ROLLOUT_MODES = ("sync", "async")
 BUFFER_TYPES = ("WeightBuffer", "CPUWeightBuffer", "ShardedWeightBuffer")
 BUFFER_STRATEGIES = WEIGHT_BUFFER_STRATEGIES  # the seed's names, defined once in rlfleet.weightsync
 ROUTER_TYPES = ("simple", "node_affinity", "round_robin", "least_load", "power_of_two", "consistent_hash")
-PLANNERS = ("rlfleet", "seed")
-SENDERS = ("all", "one")  # rlfleet.placement's plan_sync options
-FANOUTS = ("auto", "node_buffer", "direct")
-CUDA_IPC_MODES = ("auto", "off", "host")
 
 
 def _choice(value: object, valid: tuple[str, ...], what: str) -> None:
@@ -77,7 +73,7 @@ class WeightBufferConfig:
             (self.planner, PLANNERS, "planner"),
             (self.senders, SENDERS, "senders"),
             (self.fanout, FANOUTS, "fanout"),
-            (self.cuda_ipc, CUDA_IPC_MODES, "cuda_ipc"),
+            (self.cuda_ipc, CUDA_IPC_SETTINGS, "cuda_ipc"),
         ):
             _choice(value, valid, f"weight_buffer.{what}")
         shared = self.buffer_strategy == "Shared"
