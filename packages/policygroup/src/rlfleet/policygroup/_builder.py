@@ -8,7 +8,7 @@ Once the group is ready, and once the actors run, placement names any bundle or 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -124,12 +124,17 @@ def adopt_placement_group(
     return Placement.from_bundles(nodes, pg.bundle_specs, num_train, num_eval, indices, colocated, strategy)
 
 
-def check_bundle_nodes(pg: Any, placement: Placement, timeout_s: float) -> None:
-    """PolicyGroupError unless Ray put every bundle of `pg` on the node `placement` planned."""
+def _checked(check: Callable[[Any], None], actual: Any) -> None:
+    """Run one of placement's where-did-Ray-put-it checks; its error is the group's."""
     try:
-        placement.check_bundle_nodes(bundle_nodes(pg, timeout_s, placement))
+        check(actual)
     except PlacementError as exc:
         raise PolicyGroupError(str(exc)) from None
+
+
+def check_bundle_nodes(pg: Any, placement: Placement, timeout_s: float) -> None:
+    """PolicyGroupError unless Ray put every bundle of `pg` on the node `placement` planned."""
+    _checked(placement.check_bundle_nodes, bundle_nodes(pg, timeout_s, placement))
 
 
 def _start_actors(
@@ -171,13 +176,11 @@ def _wait_started(
     if pending:
         raise PolicyGroupError(f"{len(pending)} policy actor(s) did not start within {timeout_s:.0f}s")
     found = ray.get(refs, timeout=30)
-    try:
-        if pg is not None:
-            placement.check_worker_nodes(
-                {w.worker_id: str(n) for (w, _), n in zip(started, found, strict=True)}
-            )
-    except PlacementError as exc:
-        raise PolicyGroupError(str(exc)) from None
+    if pg is not None:
+        _checked(
+            placement.check_worker_nodes,
+            {w.worker_id: str(n) for (w, _), n in zip(started, found, strict=True)},
+        )
 
 
 def build_policy_group(
