@@ -11,15 +11,14 @@ from __future__ import annotations
 import abc
 import math
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, suppress
-from typing import Any, Generic, cast
+from contextlib import AbstractContextManager
+from typing import Any, cast
 
 from typing_extensions import Unpack
 
+from rlfleet.routing._draining import Draining
 from rlfleet.routing._errors import (
-    DrainTimeoutError,
     DuplicateWorkerError,
     NotInFlightError,
     NoWorkerAvailableError,
@@ -42,7 +41,7 @@ from rlfleet.routing._worker import (
 PickIn = Callable[[Any, int | None, int | None], _Worker[W] | None]
 
 
-class Router(Generic[W], abc.ABC):
+class Router(Draining[W]):
     """Routes requests to workers (opaque hashable keys) and counts requests in flight.
 
     `select` picks a worker and counts the request as in flight until `release` (or use
@@ -444,66 +443,6 @@ class Router(Generic[W], abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(workers={len(self)}, in_flight={self.in_flight})"
-
-    # ------------------------------------------------------------------ waiting
-    def _drain_wait(self, worker: W, timeout: float, what: str) -> tuple[Callable[[], bool | None], float]:
-        st = self._states.get(worker)
-        if st is None:
-            raise UnknownWorkerError(f"{what}({worker!r}): worker is not known to this router")
-        if timeout is None:
-            raise ValueError(f"{what} needs a timeout: every blocking call has a deadline")
-        due = deadline(timeout, what)
-        assert due is not None
-        return (lambda: True if st.load == 0 else None), due
-
-    def _drain_expired(self, worker: W, timeout: float, what: str) -> DrainTimeoutError:
-        st = self._states.get(worker)
-        left = st.load if st is not None else 0
-        return DrainTimeoutError(f"{what}({worker!r}): {left} request(s) still in flight after {timeout}s")
-
-    def wait_drained(self, worker: W, timeout: float) -> None:
-        """Block until `worker` has no request in flight (rolling updates: drain, wait, swap).
-
-        Raises `DrainTimeoutError` if requests are still in flight after `timeout` seconds.
-        """
-        drained, due = self._drain_wait(worker, timeout, "wait_drained")
-        if not drained():
-            self._wait.wait(drained, due, lambda: self._drain_expired(worker, timeout, "wait_drained"))
-
-    def drain(self, workers: Iterable[W], timeout: float) -> None:
-        """Stop selecting `workers` and wait until none has a request in flight, all within one
-        `timeout` (a rolling update's drain of one worker or of a group swapping together).
-
-        Workers no longer routed to (removed meanwhile) are skipped. If they do not drain in
-        time they are selectable again and `DrainTimeoutError` is raised.
-        """
-        workers = list(workers)
-        due = deadline(timeout, "drain")
-        assert due is not None
-        for worker in workers:
-            with suppress(UnknownWorkerError):
-                self.set_draining(worker, True)
-        try:
-            for worker in workers:
-                with suppress(UnknownWorkerError):
-                    self.wait_drained(worker, max(0.0, due - time.monotonic()))
-        except BaseException:
-            self.undrain(workers)  # a drain that fails must not leave them unroutable
-            raise
-
-    def undrain(self, workers: Iterable[W]) -> None:
-        """Select `workers` again (those no longer routed to are skipped)."""
-        for worker in workers:
-            with suppress(UnknownWorkerError):
-                self.set_draining(worker, False)
-
-    async def wait_drained_async(self, worker: W, timeout: float) -> None:
-        """`wait_drained` for asyncio: waits without blocking the event loop."""
-        drained, due = self._drain_wait(worker, timeout, "wait_drained_async")
-        if not drained():
-            await self._wait.wait_async(
-                drained, due, lambda: self._drain_expired(worker, timeout, "wait_drained_async")
-            )
 
     def _why_none(self) -> str:
         with self._exclusive():
