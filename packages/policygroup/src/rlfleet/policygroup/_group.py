@@ -172,6 +172,8 @@ class PolicyGroup:
             if self.train_list:
                 self._sync.layout = self._sync.trainer_layout()
             self._sync.replan()
+            nodes = {str(k)[:12]: {r: len(v) for r, v in e.items()} for k, e in self.placement_info.items()}
+            logger.info("placement_info: %s", nodes)  # as the seed logs it
 
     def init_weight_buffer(self) -> None:
         """Prepare every rollout worker to receive weights with the configured strategy."""

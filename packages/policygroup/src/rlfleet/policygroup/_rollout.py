@@ -52,7 +52,8 @@ class Rollouts:
             return
         node = None
         if isinstance(self.router, NodeAffinityRouter):  # the label of a worker on its Ray node
-            labels = {node_of.get(w): self.router.node(w) for w in self.router.workers}
+            known = {w: self.router.node(w) for w in self.router.workers}
+            labels = {node_of.get(w): label for w, label in known.items() if label is not None}
             node = labels.get(node_of.get(wid), node_of.get(wid))
         self.router.add_worker(wid, node=node, version=0)
         self.router.set_draining(wid, True)
