@@ -256,13 +256,12 @@ class WeightSync:
         version = self.staged
         if version is None or version <= self.version:
             return
-        if self.strategy == "Sharded" and self.plan is not None:
+        comm = self.wiring.comm
+        if self.strategy == "Sharded" and comm is not None:
             by_pid = self.processes.by_pid()
-            for node, gid in self.wiring.gather_groups.items():
-                mates = sorted(
-                    (p for p in self.plan.rollouts if p.node == node), key=lambda p: p.shard or (0, 0)
-                )
-                self._apply_together([by_pid[p.id] for p in mates if p.id in by_pid], version, gid)
+            for group in comm.gather:  # each node's rollout workers, in shard order
+                mates = [comm.process_of(rank) for rank in group.ranks]
+                self._apply_together([by_pid[p] for p in mates if p in by_pid], version, group.group_id)
         elif self.strategy != "None":
             for p in list(self.roster.eval_list):
                 self._apply_together([p], version, None)

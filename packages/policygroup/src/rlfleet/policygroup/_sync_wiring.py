@@ -22,9 +22,8 @@ class Wiring:
         self.calls, self.processes, self.config, self.uid = calls, processes, config, uid
         self.node_buffers: dict[Any, dict[str, Any]] = {}  # the seed's shared_weight_buffer_map
         self.names: dict[str, str] = {}  # node -> its buffer's name
-        self.comm: SyncGroups | None = None  # set by `form`, with its next three fields
+        self.comm: SyncGroups | None = None  # set by `form`, with `groups` and `world`
         self.groups: dict[tuple[str, ...], tuple[str, int]] = {}  # members -> (group id, sender's rank)
-        self.gather_groups: dict[str, str] = {}  # "Sharded": each node's gather group
         self.world: CommGroupPlan | None = None
         self.backend = "gloo"
 
@@ -59,7 +58,7 @@ class Wiring:
         self.backend, timeout = backend, self.config.group_timeout_s
         _comm.init_world(comm.world, actors, names, backend, timeout, comm.gather)
         self.comm, self.world = comm, comm.world
-        self.groups, self.gather_groups = comm.groups, comm.gather_groups
+        self.groups = comm.groups
 
     def ensure_groups(self, plan: SyncPlan) -> None:
         """A member group for every group of `plan` that has none yet (after a re-plan; none: no call)."""
