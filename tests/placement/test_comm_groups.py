@@ -84,6 +84,30 @@ def test_a_sender_serving_several_items_keeps_every_group() -> None:
     assert flat.train_group is None
 
 
+def test_creation_calls_list_each_ranks_groups_in_order() -> None:
+    info = {
+        "t": {"train_policies": ["tr"], "eval_policies": []},
+        "e0": {"train_policies": [], "eval_policies": ["x0", "x1"]},
+        "e1": {"train_policies": [], "eval_policies": ["y0"]},
+    }
+    actors = [("tr", "t", 0), ("x0", "e0", 0), ("x1", "e0", 1), ("y0", "e1", 0)]
+    plan = plan_comm_groups(actors, build_transfer_info_for_disaggregated(info, "Double"), ["tr"])
+    every = plan.creation_calls(plan.groups)  # torch.distributed groups: each rank makes every group
+    assert sorted(every) == [0, 1, 2, 3]
+    order = [g.group_id for g in plan.groups]
+    assert all([c["group_id"] for c in calls] == order for calls in every.values())
+    wt = plan.weight_transfer_groups
+    alone = plan.creation_calls(wt, registered=False)  # standalone groups: members only
+    assert {r: [c["ranks"] for c in calls] for r, calls in alone.items()} == {
+        0: [[0, 1, 2], [0, 3]],
+        1: [[0, 1, 2]],
+        2: [[0, 1, 2]],
+        3: [[0, 3]],
+    }
+    assert alone[3][0] == {"ranks": [0, 3], "mode": WEIGHT_TRANSFER, "group_id": wt[1].group_id}
+    assert plan.creation_calls([]) == {}
+
+
 def test_ranks_sort_by_node_first_seen_then_gpu() -> None:
     plan = plan_comm_groups(
         [("b", "n1", 3), ("a", "n0", 5), ("c", "n1", 0), ("d", "n0", 1)], None, ["b", "a"]

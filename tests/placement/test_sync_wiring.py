@@ -1,5 +1,6 @@
-"""An executor's side of a sync plan without a cluster: its processes from plain sites
-(`sync_processes`), the CUDA IPC mode and planner choice (`cuda_ipc_mode`, `make_sync_plan`),
+"""An executor's side of a sync plan without a cluster: its settings (`check_sync_options`), its
+processes from plain sites (`sync_processes`), the CUDA IPC mode and planner choice
+(`cuda_ipc_mode`, `make_sync_plan`),
 what rebuilding a node takes (`node_wiring`) and the communication groups (`SyncGroups`)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rlfleet.placement import (
     SyncPlan,
     SyncPlanError,
     WorkerSite,
+    check_sync_options,
     cuda_ipc_mode,
     make_sync_plan,
     node_wiring,
@@ -67,6 +69,36 @@ def test_make_sync_plan_is_plan_sync_over_the_processes() -> None:
         _plan("Double", planner="mine")
     with pytest.raises(SyncPlanError, match="fanout must be one of"):
         _plan("Double", fanout="sideways")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"strategy": "Triple"}, "cfg.strategy 'Triple' is unknown; valid: None, Double, Shared, Sharded"),
+        ({"planner": "mine"}, "cfg.planner 'mine' is unknown; valid: rlfleet, seed"),
+        ({"senders": "two"}, "cfg.senders 'two' is unknown; valid: all, one"),
+        ({"fanout": "sideways"}, "cfg.fanout 'sideways' is unknown; valid: auto, node_buffer, direct"),
+        ({"cuda_ipc": "on"}, "cfg.cuda_ipc 'on' is unknown; valid: auto, off, host"),
+        ({"strategy": "Shared", "cuda_ipc": "host"}, "cfg.cuda_ipc 'host' does not run with strategy"),
+        ({"strategy": "Shared", "fanout": "direct"}, "cfg.fanout 'direct' does not run with strategy 'Sh"),
+        ({"fanout": "node_buffer"}, "cfg.fanout 'node_buffer' does not run with strategy 'Double'"),
+        ({"strategy": "None", "fanout": "node_buffer"}, "cfg.fanout 'node_buffer' does not run with"),
+    ],
+)
+def test_sync_options_that_cannot_run_are_refused_by_name(options: dict[str, str], message: str) -> None:
+    settings = {"strategy": "Double", **options}
+    with pytest.raises(SyncPlanError) as caught:
+        check_sync_options(**settings, prefix="cfg.")
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("strategy", ["None", "Double", "Shared", "Sharded"])
+def test_options_the_check_passes_plan(strategy: str) -> None:
+    fanout = "node_buffer" if strategy == "Shared" else "direct"
+    choices = (("rlfleet", "all", "auto"), ("rlfleet", "one", fanout), ("seed", "all", "auto"))
+    for planner, senders, fan in choices:
+        check_sync_options(strategy, planner, senders, fan, "off")
+        assert _plan(strategy, planner=planner, senders=senders, fanout=fan).strategy == strategy
 
 
 def test_processes_carry_device_machine_and_sharded_node_shares() -> None:

@@ -12,7 +12,7 @@ from pg_policies import MLPPolicy
 from rlfleet.placement import make_sync_plan, sync_processes
 from rlfleet.policygroup import PolicyConfig, PolicyGroupError, PolicyRole, WeightBufferConfig
 from rlfleet.policygroup._calls import Calls, Roster, vagueness
-from rlfleet.policygroup._sync_plan import Processes, ipc_mode, plan_for
+from rlfleet.policygroup._sync_plan import Processes, plan_for
 from rlfleet.weightsync import Layout, LayoutMismatchError
 
 
@@ -33,7 +33,7 @@ def _processes(strategy: str, n_train: int = 2) -> tuple[list[Any], list[Any], P
 KIND = {"Double": "WeightBuffer", "Shared": "CPUWeightBuffer", "Sharded": "ShardedWeightBuffer"}
 
 
-def _plan(strategy: str, **wb: Any) -> tuple[list[Any], list[Any], Processes, Any]:
+def _plan(strategy: str, actors: bool = False, **wb: Any) -> tuple[list[Any], list[Any], Processes, Any]:
     train, evals, processes = _processes(strategy)
     config = PolicyConfig(
         weight_buffer=WeightBufferConfig(
@@ -41,7 +41,8 @@ def _plan(strategy: str, **wb: Any) -> tuple[list[Any], list[Any], Processes, An
         )
     )
     layout = train[0].get_weight_layout(1024)
-    return train, evals, processes, plan_for(processes.sync_processes(strategy), layout, config, False)
+    plan = plan_for(processes.sync_processes(strategy), layout, config, False, actors)
+    return train, evals, processes, plan
 
 
 def test_the_plan_is_placements_over_the_group_processes() -> None:
@@ -56,10 +57,10 @@ def test_the_plan_is_placements_over_the_group_processes() -> None:
     assert plan.layout_digest == Layout.from_dict(train[0].get_weight_layout(1024)).digest
     assert plan.topology_source.startswith("fallback")  # no Ray here: priced on the documented defaults
     assert _plan("Double", planner="seed")[3].name == "seed"
-    host = PolicyConfig(weight_buffer=WeightBufferConfig(cuda_ipc="host"))
     with pytest.raises(PolicyGroupError, match="weight_buffer: cuda_ipc 'host' needs Ray actors"):
-        ipc_mode(host, actors=False)
-    assert ipc_mode(host, actors=True) == "force"
+        _plan("Double", cuda_ipc="host")
+    forced = _plan("Double", actors=True, cuda_ipc="host")[3]  # every same-node worker: the IPC step
+    assert {s.transport for s in forced.steps} >= {"cuda_ipc"}
 
 
 def test_ids_are_stable_and_a_new_role_gets_a_new_id() -> None:
@@ -73,7 +74,7 @@ def test_ids_are_stable_and_a_new_role_gets_a_new_id() -> None:
 
 
 def test_fanouts_that_cannot_run_are_refused_in_the_config() -> None:
-    with pytest.raises(ValueError, match="fanout 'direct' does not run with buffer_strategy 'Shared'"):
+    with pytest.raises(ValueError, match=r"weight_buffer\.fanout 'direct' does not run with strategy 'Sh"):
         WeightBufferConfig(type="CPUWeightBuffer", buffer_strategy="Shared", fanout="direct")
     with pytest.raises(ValueError, match=r"weight_buffer\.planner 'mine' is unknown"):
         WeightBufferConfig(planner="mine")

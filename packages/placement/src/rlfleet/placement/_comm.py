@@ -78,6 +78,22 @@ class CommGroupPlan:
         """The groups ``rank`` belongs to (it still must join every group's creation call)."""
         return tuple(g for g in self.groups if rank in g.ranks)
 
+    def creation_calls(
+        self, groups: Iterable[CommGroup], registered: bool = True
+    ) -> dict[int, list[dict[str, Any]]]:
+        """Per rank, the specs (ranks, mode, group id) of the `groups` it creates, in order.
+
+        `registered`: torch.distributed groups, which every rank of the world creates (as the seed
+        forms them); otherwise each group's members alone (standalone groups, which can still be
+        made after a rank died).
+        """
+        calls: dict[int, list[dict[str, Any]]] = {}
+        for g in groups:
+            spec = {"ranks": list(g.ranks), "mode": g.mode, "group_id": g.group_id}
+            for rank in range(self.world_size) if registered else g.ranks:
+                calls.setdefault(rank, []).append(spec)
+        return calls
+
     def by_mode(self, mode: str) -> tuple[CommGroup, ...]:
         return tuple(g for g in self.groups if g.mode == mode)
 

@@ -14,11 +14,19 @@ from typing import Literal, cast
 
 from rlfleet.placement._cost_model import CostModel
 from rlfleet.placement._errors import SyncPlanError
-from rlfleet.placement._sync_plan import Role, SyncPlan, SyncProcess
-from rlfleet.placement._sync_planner import plan_sync, seed_sync_plan
+from rlfleet.placement._sync_plan import SYNC_STRATEGIES, Role, SyncPlan, SyncProcess
+from rlfleet.placement._sync_planner import FANOUTS, SENDERS, plan_sync, seed_sync_plan
 from rlfleet.placement._topology import Topology
 
-__all__ = ["CUDA_IPC_SETTINGS", "PLANNERS", "WorkerSite", "cuda_ipc_mode", "make_sync_plan", "sync_processes"]
+__all__ = [
+    "CUDA_IPC_SETTINGS",
+    "PLANNERS",
+    "WorkerSite",
+    "check_sync_options",
+    "cuda_ipc_mode",
+    "make_sync_plan",
+    "sync_processes",
+]
 
 #: The planners `make_sync_plan` chooses between: ours (`plan_sync`) and the seed's round robin.
 PLANNERS: tuple[str, ...] = ("rlfleet", "seed")
@@ -28,6 +36,45 @@ CUDA_IPC_SETTINGS: tuple[str, ...] = ("auto", "off", "host")
 
 #: Where a worker runs: (process id, role, node, GPU index or -1 for a CPU process, machine).
 WorkerSite = tuple[str, str, str, int, str | None]
+
+
+def check_sync_options(
+    strategy: str,
+    planner: str = "rlfleet",
+    senders: str = "all",
+    fanout: str = "auto",
+    cuda_ipc: str = "auto",
+    *,
+    prefix: str = "",
+) -> None:
+    """SyncPlanError, naming the setting (`prefix` + its name), for a choice that is unknown or
+    that cannot run with `strategy`: an executor's configuration is refused before any plan.
+
+    "Shared" keeps its node buffer: its rollout workers compute with zero-copy views of it, which
+    neither IPC slots nor a relay's direct copies give; a relay without a buffer has none to fill.
+    """
+    for value, valid, name in (
+        (strategy, SYNC_STRATEGIES, "strategy"),
+        (planner, PLANNERS, "planner"),
+        (senders, SENDERS, "senders"),
+        (fanout, FANOUTS, "fanout"),
+        (cuda_ipc, CUDA_IPC_SETTINGS, "cuda_ipc"),
+    ):
+        if value not in valid:
+            raise SyncPlanError(f"{prefix}{name} {value!r} is unknown; valid: {', '.join(valid)}")
+    shared = strategy == "Shared"
+    if cuda_ipc == "host" and shared:
+        raise SyncPlanError(
+            f"{prefix}cuda_ipc 'host' does not run with strategy 'Shared': its rollout workers compute "
+            "with zero-copy views of the node buffer, which IPC slots cannot give"
+        )
+    if fanout == ("direct" if shared else "node_buffer"):
+        why = (
+            "every rollout worker of a node binds the node's one buffer; one receives for it"
+            if shared
+            else "a rollout worker that relays copies has no node buffer to fill; use 'direct'"
+        )
+        raise SyncPlanError(f"{prefix}fanout {fanout!r} does not run with strategy {strategy!r}: {why}")
 
 
 def sync_processes(workers: Sequence[WorkerSite], strategy: str) -> list[SyncProcess]:

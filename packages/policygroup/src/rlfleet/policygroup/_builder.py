@@ -24,8 +24,8 @@ from rlfleet.placement import (
     place_on_ray_nodes,
     ray_node_topology,
 )
-from rlfleet.policygroup._comm import ray_nodes
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
+from rlfleet.policygroup._device import ray_nodes
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup._group import PolicyGroup
 from rlfleet.policygroup._worker import BasePolicy, PolicyRole

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.placement import CUDA_IPC_SETTINGS, FANOUTS, PLANNERS, SENDERS, CostModel
+from rlfleet.placement import CostModel, check_sync_options
 from rlfleet.weightsync import WEIGHT_BUFFER_STRATEGIES, check_strategy
 
 ROLLOUT_MODES = ("sync", "async")
@@ -21,23 +21,17 @@ def _choice(value: object, valid: tuple[str, ...], what: str) -> None:
 
 @dataclass
 class WeightBufferConfig:
-    """How a version reaches the rollout workers (the seed's names, and the plan's options).
+    """How a version reaches the rollout workers: the seed's ``type`` and ``buffer_strategy``,
+    and the options of the `SyncPlan` rlfleet.placement makes for them.
 
-    ``buffer_strategy``: "None" applies in place (the receiver is drained for the transfer),
-    "Double" stages a private copy and swaps it in (serving goes on), "Shared" one two-slot
-    shared-memory buffer per node every local rollout worker reads zero-copy (``type``
-    "CPUWeightBuffer"), "Sharded" (``type`` "ShardedWeightBuffer"). ``checksums``: a CRC32 per
-    bucket in the node buffer, checked before a version is applied (off by default: one more
-    read of the model per writer and reader).
-
-    The plan is rlfleet.placement's `SyncPlan`, run as it is: ``planner`` "rlfleet" (`plan_sync`)
-    or "seed" (`seed_sync_plan`); ``senders`` "all" (data-parallel trainers send disjoint shares)
-    or "one"; ``fanout`` on a node without a trainer: "node_buffer" (one rollout worker receives
-    and fills the buffer the others read), "direct" or "auto". ``cuda_ipc`` "auto": a trainer
-    hands a version to the GPU rollout workers of its node device to device (Ray actors); "off":
-    the node buffer; "host": every same-node rollout worker gets the IPC step over host shared
-    memory (a test mode: the same protocol and code path). "Shared" keeps its node buffer: its
-    readers compute with zero-copy views of it, which reused IPC slots cannot give.
+    ``buffer_strategy``: "None" applies in place (the receiver is drained), "Double" stages a
+    private copy and swaps it in, "Shared" one two-slot node buffer every local rollout worker
+    reads zero-copy (``type`` "CPUWeightBuffer"), "Sharded" (``type`` "ShardedWeightBuffer").
+    ``checksums``: a CRC32 per bucket, checked before a version is applied (one more read of the
+    model). ``planner`` ("rlfleet", "seed"), ``senders`` ("all", "one"), ``fanout`` ("auto",
+    "node_buffer", "direct") and ``cuda_ipc`` ("auto", "off", "host": the IPC path over host
+    memory, a test mode) are placement's `make_sync_plan` options, checked by its
+    `check_sync_options`.
     """
 
     type: str = "WeightBuffer"
@@ -69,29 +63,8 @@ class WeightBufferConfig:
             raise ValueError(f"weight_buffer.checksums must be a bool, got {self.checksums!r}")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 512:
             raise ValueError(f"weight_buffer.bucket_bytes must be an int >= 512, got {self.bucket_bytes!r}")
-        for value, valid, what in (
-            (self.planner, PLANNERS, "planner"),
-            (self.senders, SENDERS, "senders"),
-            (self.fanout, FANOUTS, "fanout"),
-            (self.cuda_ipc, CUDA_IPC_SETTINGS, "cuda_ipc"),
-        ):
-            _choice(value, valid, f"weight_buffer.{what}")
-        shared = self.buffer_strategy == "Shared"
-        if self.cuda_ipc == "host" and shared:
-            raise ValueError(
-                "weight_buffer.cuda_ipc 'host' does not run with buffer_strategy 'Shared': its rollout "
-                "workers compute with zero-copy views of the node buffer, which IPC slots cannot give"
-            )
-        if self.fanout == ("direct" if shared else "node_buffer"):
-            why = (
-                "every rollout worker of a node binds the node's one buffer; one receives for it"
-                if shared
-                else "a rollout worker that relays copies has no node buffer to fill; use 'direct'"
-            )
-            raise ValueError(
-                f"weight_buffer.fanout {self.fanout!r} does not run with buffer_strategy "
-                f"{self.buffer_strategy!r}: {why}"
-            )
+        opts = (self.buffer_strategy, self.planner, self.senders, self.fanout, self.cuda_ipc)
+        check_sync_options(*opts, prefix="weight_buffer.")
 
 
 @dataclass
@@ -132,12 +105,8 @@ class PolicyConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.rollout_mode not in ROLLOUT_MODES:
-            raise ValueError(
-                f"rollout_mode {self.rollout_mode!r} is unknown; valid: {', '.join(ROLLOUT_MODES)}"
-            )
-        if self.router_type not in ROUTER_TYPES:
-            raise ValueError(f"router_type {self.router_type!r} is unknown; valid: {', '.join(ROUTER_TYPES)}")
+        _choice(self.rollout_mode, ROLLOUT_MODES, "rollout_mode")
+        _choice(self.router_type, ROUTER_TYPES, "router_type")
         if not isinstance(self.weight_buffer, WeightBufferConfig):
             raise TypeError(
                 f"weight_buffer must be a WeightBufferConfig, got {type(self.weight_buffer).__name__}"
@@ -155,8 +124,7 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend {self.backend!r} is unknown; valid: gloo, nccl")
+        _choice(self.backend, ("gloo", "nccl"), "backend")
         if self.topology is not None and not isinstance(self.topology, dict):
             raise ValueError(
                 f"topology must be a dict of Topology.from_ray_nodes overrides, got {self.topology!r}"

@@ -1,4 +1,5 @@
-"""Where a worker runs, as Ray sees it: node id, node address, GPU ids, whether it was restarted.
+"""Where things run, as Ray sees it: the cluster's nodes, and a worker's node id, node address,
+GPU ids and whether it was restarted.
 
 Outside a Ray cluster (a local worker) the answers are those of a single local node. The
 device facts themselves (what the device is and holds, profiling, timings) are weightsync's.
@@ -38,3 +39,20 @@ def was_restarted() -> bool:
     if ray is None or ray.get_runtime_context().get_actor_id() is None:  # not in an actor
         return False
     return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def ray_nodes() -> list[dict[str, Any]]:
+    """`ray.nodes()`, typed."""
+    import ray
+
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return nodes
+
+
+def local_host() -> str | None:
+    """127.0.0.1 when every alive Ray node runs on this one machine (tests, laptops), else None."""
+    try:
+        addresses = {n.get("NodeManagerAddress") for n in ray_nodes() if n.get("Alive")}
+    except Exception:
+        return None
+    return "127.0.0.1" if len(addresses) <= 1 else None

@@ -23,7 +23,7 @@ from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import PolicyGroupError, TrainWorkerDiedError
 from rlfleet.policygroup._rollout import Rollouts
 from rlfleet.policygroup._submitter import is_remote
-from rlfleet.policygroup._sync_plan import Processes, ipc_mode, plan_for
+from rlfleet.policygroup._sync_plan import Processes, plan_for
 from rlfleet.policygroup._sync_wiring import Wiring
 
 if TYPE_CHECKING:
@@ -77,9 +77,8 @@ class WeightSync:
             return None
         strategy = self.config.weight_buffer.buffer_strategy
         processes = self.processes.sync_processes(strategy)
-        members = self.roster.train_list + self.roster.eval_list
-        ipc = ipc_mode(self.config, all(is_remote(p) for p in members))
-        self.plan = plan_for(processes, self.layout, self.config, self.processes.colocated, ipc)
+        actors = all(is_remote(p) for p in self.roster.train_list + self.roster.eval_list)
+        self.plan = plan_for(processes, self.layout, self.config, self.processes.colocated, actors)
         return self.plan
 
     def _rewire(self) -> None:

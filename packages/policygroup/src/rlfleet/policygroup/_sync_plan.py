@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import ray
 
 from rlfleet.placement import SyncPlan, SyncProcess, Topology, cuda_ipc_mode, make_sync_plan, sync_processes
 from rlfleet.policygroup._calls import Calls, Policy, Roster
-from rlfleet.policygroup._comm import ray_nodes
 from rlfleet.policygroup._config import PolicyConfig
+from rlfleet.policygroup._device import ray_nodes
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.weightsync import Layout
 
@@ -81,23 +81,20 @@ def cluster_topology(nodes: Sequence[str], overrides: Mapping[str, Any]) -> Topo
     return Topology.from_ray_nodes(listed, overrides) if listed and set(nodes) <= known else None
 
 
-def ipc_mode(config: PolicyConfig, actors: bool) -> bool | Literal["force"]:
-    """`plan_sync`'s ``cuda_ipc`` for this config (placement's `cuda_ipc_mode`); `actors`: Ray actors."""
-    try:
-        return cuda_ipc_mode(config.weight_buffer.cuda_ipc, config.weight_buffer.buffer_strategy, actors)
-    except ValueError as exc:
-        raise PolicyGroupError(f"weight_buffer: {exc}") from exc
-
-
 def plan_for(
     processes: Sequence[SyncProcess],
     layout: Mapping[str, Any],
     config: PolicyConfig,
     colocated: bool,
-    cuda_ipc: bool | Literal["force"] = False,
+    actors: bool,
 ) -> SyncPlan:
-    """Placement's plan for these processes and the trainers' layout; `cuda_ipc` from `ipc_mode`."""
+    """Placement's plan for these processes and the trainers' layout (`actors`: Ray actors, which
+    CUDA IPC channels can join), priced on the cluster."""
     wb, parsed, cost = config.weight_buffer, Layout.from_dict(layout), config.cost_model
+    try:
+        cuda_ipc = cuda_ipc_mode(wb.cuda_ipc, wb.buffer_strategy, actors)
+    except ValueError as exc:
+        raise PolicyGroupError(f"weight_buffer: {exc}") from exc
     overrides = {**(cost.topology_overrides() if cost else {}), **(config.topology or {})}
     topology = cluster_topology([p.node for p in processes], overrides)
     try:

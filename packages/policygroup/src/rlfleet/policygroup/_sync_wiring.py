@@ -1,18 +1,23 @@
 """A `SyncPlan`'s node buffers, endpoints and communication groups made on the actors; what to make
-is placement's (`node_wiring`, `SyncGroups`). Releasing a node's buffers also closes its workers'
-CUDA IPC channels; groups a re-plan needs are made among their members alone."""
+is placement's (`node_wiring`, `SyncGroups`, `CommGroupPlan.creation_calls`). Releasing a node's
+buffers also closes its workers' CUDA IPC channels; groups a re-plan needs are made among their
+members alone. Every call on the actors is bounded, and its error names the rank that failed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from rlfleet.placement import CommGroupPlan, SyncGroups, SyncPlan, node_wiring
-from rlfleet.policygroup import _comm
+import ray
+
+from rlfleet.placement import CommGroup, CommGroupPlan, SyncGroups, SyncPlan, node_wiring
 from rlfleet.policygroup._calls import Calls
 from rlfleet.policygroup._config import PolicyConfig
-from rlfleet.policygroup._errors import PolicyGroupError
+from rlfleet.policygroup._device import local_host
+from rlfleet.policygroup._errors import PolicyGroupError, WorkerDiedError
 from rlfleet.policygroup._sync_plan import Processes
+from rlfleet.weightsync import CommGroupError
 
 
 class Wiring:
@@ -50,15 +55,27 @@ class Wiring:
 
     def form(self, plan: SyncPlan, backend: str) -> None:
         """The world group, intra-node groups, the plan's groups, the train data-parallel group and,
-        for "Sharded", each node's gather group, on the actors, bounded (`init_comm_group`)."""
-        comm, by_pid = SyncGroups.for_plan(plan, self.processes.colocated), self.processes.by_pid()
+        for "Sharded", each node's gather group, on the actors (`init_comm_group`).
+
+        Rank 0 hosts the rendezvous store; every rank joins the world (naming the ranks that did
+        not show up in time), then creates its groups in one call, in plan order."""
+        comm = SyncGroups.for_plan(plan, self.processes.colocated)
         comm.rebuilds = 0 if self.comm is None else self.comm.rebuilds  # names of later groups stay unique
-        actors = {pid: by_pid[pid] for pid in comm.members}
-        names = {pid: self.processes.roster.name(p) for pid, p in actors.items()}
-        self.backend, timeout = backend, self.config.group_timeout_s
-        _comm.init_world(comm.world, actors, names, backend, timeout, comm.gather)
-        self.comm, self.world = comm, comm.world
-        self.groups = comm.groups
+        self.backend, world = backend, comm.world
+        if world.ranks:
+            timeout, epoch = self.config.group_timeout_s, uuid.uuid4().hex[:12]
+            call = self._rank_calls(world)
+            host = call(0, "_get_addr_and_port", local_host())
+            [(addr, port)] = _wait([host], timeout + 15.0, "rendezvous")
+            env = {"world_size": world.world_size, "master_addr": addr, "master_port": port}
+            env.update(backend=backend, timeout_s=timeout, epoch=epoch)
+            joins = []
+            for r in world.ranks:
+                local = {"rank": r.rank, "local_rank": r.local_rank, "local_world_size": r.local_world_size}
+                joins.append(call(r.rank, "init_distributed_env", **local, **env))
+            _wait(joins, timeout + 15.0, "init_distributed_env")
+            self._create(world, [*world.groups, *comm.gather], registered=True)
+        self.comm, self.world, self.groups = comm, world, comm.groups
 
     def ensure_groups(self, plan: SyncPlan) -> None:
         """A member group for every group of `plan` that has none yet (after a re-plan; none: no call)."""
@@ -70,12 +87,53 @@ class Wiring:
             make = self.comm.add_missing(plan)
         except ValueError as exc:
             raise PolicyGroupError(f"{exc}; call init_comm_group()") from exc
-        by_pid, timeout = self.processes.by_pid(), self.config.group_timeout_s
-        actors = {pid: by_pid[pid] for pid in {self.comm.process_of(r) for g in make for r in g.ranks}}
-        names = {pid: self.processes.roster.name(p) for pid, p in by_pid.items()}
-        _comm.create_groups(self.comm.world, make, actors, names, self.backend, timeout)
+        self._create(self.comm.world, make, registered=False)
 
     def forget(self, pids: Iterable[str]) -> None:
         """Groups with a member that left are never used again (in place: `comm` shares `groups`)."""
         if self.comm is not None:
             self.comm.forget(pids)
+
+    def _create(self, world: CommGroupPlan, groups: Sequence[CommGroup], registered: bool) -> None:
+        """`groups` on the actors, one call per rank (so a rank creates its groups in order)."""
+        timeout, call = self.config.group_timeout_s, self._rank_calls(world)
+        calls = [
+            call(rank, "init_comm_groups", specs, self.backend, timeout, registered)
+            for rank, specs in world.creation_calls(groups, registered).items()
+        ]
+        _wait(calls, timeout + 15.0, "create communication groups")
+
+    def _rank_calls(self, world: CommGroupPlan) -> Callable[..., tuple[str, Any]]:
+        """call(rank, method, *args) -> (who: the rank, its worker and node; the started call)."""
+        by_pid = self.processes.by_pid()  # a SyncGroups world ranks process ids
+
+        def call(rank: int, method: str, /, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+            info = world.ranks[rank]
+            policy = by_pid[str(info.actor_id)]
+            who = f"rank {rank} ({self.processes.roster.name(policy)}, node {str(info.node_id)[:12]})"
+            return who, getattr(policy, method).remote(*args, **kwargs)
+
+        return call
+
+
+def _wait(calls: Sequence[tuple[str, Any]], timeout_s: float, what: str) -> list[Any]:
+    """Every call's value within `timeout_s`; an error names whose call failed or did not finish."""
+    refs = [ref for _, ref in calls]
+    if not refs:
+        return []
+    _ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [who for who, ref in calls if ref in set(pending)]
+        raise CommGroupError(f"{what}: {', '.join(late)} did not finish within {timeout_s:.1f}s")
+    out = []
+    for who, ref in calls:
+        try:
+            out.append(ray.get(ref, timeout=1.0))
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerDiedError(f"{what}: {who} died: {exc}") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            if isinstance(cause, CommGroupError):
+                raise CommGroupError(f"{what}: {who}: {cause}", cause.missing_ranks) from None
+            raise CommGroupError(f"{what}: {who} failed: {cause}") from None
+    return out
