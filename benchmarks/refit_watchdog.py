@@ -101,7 +101,7 @@ def run_rank(rank: int, port: int, quick: bool, repeats: int) -> dict[str, Any]:
     version = 0
     for round_ in range(repeats):
         order = list(ends.items())
-        if round_ % 2:  # watched first in every other round: no side always runs second
+        if round_ % 2:  # `ends` pairs plain, watched per method: watched first every other round
             order = [order[i ^ 1] for i in range(len(order))]
         for name, end in order:
             version += 1

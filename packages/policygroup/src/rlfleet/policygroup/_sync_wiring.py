@@ -19,6 +19,8 @@ from rlfleet.policygroup._errors import PolicyGroupError, WorkerDiedError
 from rlfleet.policygroup._sync_plan import Processes
 from rlfleet.weightsync import CommGroupError
 
+RankCall = Callable[..., tuple[str, Any]]  # (rank, method, *args) -> (who, the started call)
+
 
 class Wiring:
     """Node buffers, endpoints and communication groups of the plan being run."""
@@ -74,7 +76,7 @@ class Wiring:
                 local = {"rank": r.rank, "local_rank": r.local_rank, "local_world_size": r.local_world_size}
                 joins.append(call(r.rank, "init_distributed_env", **local, **env))
             _wait(joins, timeout + 15.0, "init_distributed_env")
-            self._create(world, [*world.groups, *comm.gather], registered=True)
+            self._create(call, world, [*world.groups, *comm.gather], registered=True)
         self.comm, self.world, self.groups = comm, world, comm.groups
 
     def ensure_groups(self, plan: SyncPlan) -> None:
@@ -87,23 +89,25 @@ class Wiring:
             make = self.comm.add_missing(plan)
         except ValueError as exc:
             raise PolicyGroupError(f"{exc}; call init_comm_group()") from exc
-        self._create(self.comm.world, make, registered=False)
+        self._create(self._rank_calls(self.comm.world), self.comm.world, make, registered=False)
 
     def forget(self, pids: Iterable[str]) -> None:
         """Groups with a member that left are never used again (in place: `comm` shares `groups`)."""
         if self.comm is not None:
             self.comm.forget(pids)
 
-    def _create(self, world: CommGroupPlan, groups: Sequence[CommGroup], registered: bool) -> None:
+    def _create(
+        self, call: RankCall, world: CommGroupPlan, groups: Sequence[CommGroup], registered: bool
+    ) -> None:
         """`groups` on the actors, one call per rank (so a rank creates its groups in order)."""
-        timeout, call = self.config.group_timeout_s, self._rank_calls(world)
+        timeout = self.config.group_timeout_s
         calls = [
             call(rank, "init_comm_groups", specs, self.backend, timeout, registered)
             for rank, specs in world.creation_calls(groups, registered).items()
         ]
         _wait(calls, timeout + 15.0, "create communication groups")
 
-    def _rank_calls(self, world: CommGroupPlan) -> Callable[..., tuple[str, Any]]:
+    def _rank_calls(self, world: CommGroupPlan) -> RankCall:
         """call(rank, method, *args) -> (who: the rank, its worker and node; the started call)."""
         by_pid = self.processes.by_pid()  # a SyncGroups world ranks process ids
 
