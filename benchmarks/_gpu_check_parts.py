@@ -235,7 +235,7 @@ def _bounded_init(store: Any) -> dict[str, Any]:
     """Rank 1 joins group "bounded" but never calls ncclCommInitRank: rank 0's init must end at
     its deadline naming rank 1 (the init thread it leaves behind dies with this process)."""
     from rlfleet.weightsync import NcclWire, RendezvousTimeoutError, join_generation
-    from rlfleet.weightsync._nccl_init import group_prefix
+    from rlfleet.weightsync.cuda._nccl_init import group_prefix
 
     def rank1() -> None:
         join_generation(store, group_prefix("bounded"), 1, range(2), 30.0, "gpu_check", lead=0)
@@ -245,7 +245,8 @@ def _bounded_init(store: Any) -> dict[str, Any]:
     try:
         NcclWire.create(store, 0, 2, deadline=10.0, name="bounded")
     except RendezvousTimeoutError as exc:
-        return {"missing": exc.missing, "seconds": time.monotonic() - start, "message": str(exc)[:300]}
+        missing = list(exc.missing_ranks)
+        return {"missing": missing, "seconds": time.monotonic() - start, "message": str(exc)[:300]}
     return {"missing": None, "seconds": time.monotonic() - start, "message": "the init returned"}
 
 

@@ -30,8 +30,8 @@ from _soak_policy import KILLABLE, RPC_TIMEOUT_S, SYNC_TIMEOUT_S, TRAINER_FAULTS
 
 from rlfleet.policygroup import PolicyGroup, PolicyGroupError
 from rlfleet.weightsync import SharedSegment, WeightSyncError
-from rlfleet.weightsync._shared_format import SlotTable
-from rlfleet.weightsync._shm import segment_creator
+from rlfleet.weightsync.shm._shared_format import SlotTable
+from rlfleet.weightsync.shm._shm import segment_creator
 
 CLEAR_ERRORS: tuple[type[BaseException], ...] = (PolicyGroupError, WeightSyncError)
 

@@ -471,8 +471,8 @@ def part3(args: Any) -> dict[str, dict[str, Any]]:
     del double, live
     gc.collect()
 
-    if importlib.util.find_spec("rlfleet.weightsync._sharded") is not None:
-        from rlfleet.weightsync._sharded import ShardedBuffer
+    if importlib.util.find_spec("rlfleet.weightsync.buffers._sharded") is not None:
+        from rlfleet.weightsync.buffers._sharded import ShardedBuffer
 
         shards = [ShardedBuffer(layout, r, receivers) for r in range(receivers)]
         for shard in shards:

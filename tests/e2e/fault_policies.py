@@ -178,7 +178,7 @@ class FaultPolicy(BasePolicy):
         """Flip one byte of the first tensor of `version` in the node's shared buffer `name`
         (its writer committed it: this call only runs once the writer's publish returned)."""
         from rlfleet.weightsync import SharedSegment, bucket_starts
-        from rlfleet.weightsync._shared_format import G_DATA_OFFSET, G_SLOT_BYTES, SlotTable
+        from rlfleet.weightsync.shm._shared_format import G_DATA_OFFSET, G_SLOT_BYTES, SlotTable
 
         layout = self._weights.require_endpoint().layout
         segment = SharedSegment.attach(name)

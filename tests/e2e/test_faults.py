@@ -345,7 +345,7 @@ def test_corrupted_byte_in_a_ring_slot_in_flight_is_caught_by_a_reader_process()
     import multiprocessing as mp
 
     from rlfleet.weightsync import Layout, SharedSegment, ShmRingSender, checksum
-    from rlfleet.weightsync._shm_ring import G_DATA_OFFSET
+    from rlfleet.weightsync.shm._shm_ring import G_DATA_OFFSET
 
     state = fp.make_model().state_dict()
     layout = Layout.from_state_dict(state, 1 << 20)

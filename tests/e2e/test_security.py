@@ -44,7 +44,7 @@ from rlfleet.weightsync import (
     WeightSyncError,
     cleanup_stale_segments,
 )
-from rlfleet.weightsync._wire import CONTROL_BYTES, HEADER_BYTES, Control, Header
+from rlfleet.weightsync.protocol._wire import CONTROL_BYTES, HEADER_BYTES, Control, Header
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -377,8 +377,8 @@ def test_wire_frames_nested_too_deeply(nest: bytes) -> None:
 
 
 def test_other_peer_metadata_decoders_are_fuzz_clean() -> None:
-    from rlfleet.weightsync._cuda_ipc import _decode_meta
-    from rlfleet.weightsync._nccl import decode_unique_id
+    from rlfleet.weightsync.cuda._cuda_ipc import _decode_meta
+    from rlfleet.weightsync.cuda._nccl import decode_unique_id
 
     hostile: list[Any] = [b"[" * 50_000, b"{}", b"\xff", b'{"b64":"!!"}', b'{"ints":[1]}', b"null", b"1e9999"]
     for raw in hostile:
@@ -388,7 +388,7 @@ def test_other_peer_metadata_decoders_are_fuzz_clean() -> None:
 
 
 def test_reshard_metadata_decoders_reject_nested_json() -> None:
-    from rlfleet.weightsync._reshard import RankProgram, _decode_header
+    from rlfleet.weightsync.reshard._reshard import RankProgram, _decode_header
 
     for fn in (RankProgram.coerce, _decode_header):
         with pytest.raises(MetadataError):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from rlfleet.weightsync import process_alive
-from rlfleet.weightsync._shm import segment_creator
+from rlfleet.weightsync.shm._shm import segment_creator
 
 
 def _ours_or_stale(path: str) -> bool:

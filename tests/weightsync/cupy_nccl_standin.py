@@ -1,7 +1,7 @@
 """A faithful stand-in for ``cupy.cuda.nccl`` of CuPy 13 and 14: the suite's one replaced API.
 
 CuPy's NCCL binding cannot run without a GPU, so the CPU suite checks our glue
-(`rlfleet.weightsync._nccl_init`) against this stand-in. It reproduces exactly what the glue
+(`rlfleet.weightsync.cuda._nccl_init`) against this stand-in. It reproduces exactly what the glue
 depends on, read from ``cupy_backends/cuda/libs/nccl.pyx`` at the tags v13.6.0 and v14.2.0:
 
 - ``get_unique_id()``. CuPy 14: ``uniqueId.internal[:NCCL_UNIQUE_ID_BYTES]``, i.e. ``bytes`` of

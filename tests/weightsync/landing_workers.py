@@ -187,8 +187,8 @@ def _evidence(buffer: RecordingDirect | RecordingDouble, kind: str, layout: Layo
 def scenario_landing(rank: int, world: int, port: int) -> dict[str, Any]:
     """Good syncs, a corrupted bucket, a sender failing midway, then a good sync again."""
     from rlfleet.weightsync import BroadcastReceiver, BroadcastSender
-    from rlfleet.weightsync._dist import TorchWire
-    from rlfleet.weightsync._wire import ProtocolSender
+    from rlfleet.weightsync.dist._dist import TorchWire
+    from rlfleet.weightsync.protocol._wire import ProtocolSender
 
     dw.init(rank, world, port)
     layout = dw.layout_of(landing_state(0))

@@ -74,7 +74,7 @@ def scenario_nccl_standin(rank: int, world: int, port: int, version: int, root: 
     rank 2 late (its first-build check-in is read before it replaces it). "absent": 0 and 1
     rebuild "w" without rank 2. Each build returns the id its communicator was made from.
     """
-    from rlfleet.weightsync._nccl_init import join_communicator
+    from rlfleet.weightsync.cuda._nccl_init import join_communicator
 
     store = member_store(rank)
     nccl = StandInNccl(version, root)

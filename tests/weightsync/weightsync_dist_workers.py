@@ -311,7 +311,7 @@ def scenario_kill(rank: int, world: int, port: int) -> dict[str, Any]:
 def scenario_rendezvous(rank: int, world: int, port: int, port2: int, port3: int) -> dict[str, Any]:
     """Bounded group creation: a rank that never joins is named, within the deadline."""
     from rlfleet.weightsync import BroadcastReceiver, BroadcastSender
-    from rlfleet.weightsync._rendezvous import init_process_group_bounded, new_group_bounded
+    from rlfleet.weightsync.dist._rendezvous import init_process_group_bounded, new_group_bounded
 
     out: dict[str, Any] = {}
     url = "tcp://127.0.0.1:{}"

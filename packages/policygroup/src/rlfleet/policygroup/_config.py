@@ -6,12 +6,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.placement import CostModel, check_sync_options
+from rlfleet.routing import ROLLOUT_MODES, ROUTER_TYPES
 from rlfleet.weightsync import WEIGHT_BUFFER_STRATEGIES, check_strategy
 
-ROLLOUT_MODES = ("sync", "async")
-BUFFER_TYPES = ("WeightBuffer", "CPUWeightBuffer", "ShardedWeightBuffer")
-BUFFER_STRATEGIES = WEIGHT_BUFFER_STRATEGIES  # the seed's names, defined once in rlfleet.weightsync
-ROUTER_TYPES = ("simple", "node_affinity", "round_robin", "least_load", "power_of_two", "consistent_hash")
+__all__ = [
+    "BUFFER_STRATEGIES",
+    "BUFFER_TYPES",
+    "ROLLOUT_MODES",
+    "ROUTER_TYPES",
+    "PolicyConfig",
+    "TrainConfig",
+    "WeightBufferConfig",
+]
+
+BUFFER_STRATEGIES = WEIGHT_BUFFER_STRATEGIES  # defined once, in rlfleet.weightsync
+#: The seed's buffer ``type`` each strategy builds (its `build_weight_buffer` registry names).
+TYPE_OF_STRATEGY = {
+    "None": "WeightBuffer",
+    "Double": "WeightBuffer",
+    "Shared": "CPUWeightBuffer",
+    "Sharded": "ShardedWeightBuffer",
+}
+BUFFER_TYPES = tuple(dict.fromkeys(TYPE_OF_STRATEGY.values()))
 
 
 def _choice(value: object, valid: tuple[str, ...], what: str) -> None:
@@ -26,7 +42,9 @@ class WeightBufferConfig:
 
     ``buffer_strategy``: "None" applies in place (the receiver is drained), "Double" stages a
     private copy and swaps it in, "Shared" one two-slot node buffer every local rollout worker
-    reads zero-copy (``type`` "CPUWeightBuffer"), "Sharded" (``type`` "ShardedWeightBuffer").
+    reads zero-copy, "Sharded" keeps 1/N per worker and gathers at apply. ``type`` is the
+    seed's buffer class name; it follows from the strategy ("CPUWeightBuffer" for "Shared",
+    "ShardedWeightBuffer" for "Sharded", "WeightBuffer" otherwise) and, when given, must agree.
     ``checksums``: a CRC32 per bucket, checked before a version is applied (one more read of the
     model). ``planner`` ("rlfleet", "seed"), ``senders`` ("all", "one"), ``fanout`` ("auto",
     "node_buffer", "direct") and ``cuda_ipc`` ("auto", "off", "host": the IPC path over host
@@ -34,7 +52,7 @@ class WeightBufferConfig:
     `check_sync_options`.
     """
 
-    type: str = "WeightBuffer"
+    type: str | None = None
     buffer_strategy: str = "Double"
     bucket_bytes: int = 64 * 1024 * 1024
     checksums: bool = False
@@ -47,17 +65,15 @@ class WeightBufferConfig:
         self.validate()
 
     def validate(self) -> None:
+        strategy = check_strategy(self.buffer_strategy, "weight_buffer.buffer_strategy")
+        kind = TYPE_OF_STRATEGY[strategy]
+        if self.type is None:
+            self.type = kind
         _choice(self.type, BUFFER_TYPES, "weight_buffer.type")
-        check_strategy(self.buffer_strategy, "weight_buffer.buffer_strategy")
-        for strategy, kind in (("Shared", "CPUWeightBuffer"), ("Sharded", "ShardedWeightBuffer")):
-            if self.buffer_strategy == strategy and self.type != kind:
-                raise ValueError(
-                    f"weight_buffer.buffer_strategy {strategy!r} needs type {kind!r}, got {self.type!r}"
-                )
-        if self.type == "ShardedWeightBuffer" and self.buffer_strategy != "Sharded":
+        if self.type != kind:
             raise ValueError(
-                "weight_buffer.type 'ShardedWeightBuffer' needs buffer_strategy 'Sharded', "
-                f"got {self.buffer_strategy!r}"
+                f"weight_buffer.type {self.type!r} does not fit buffer_strategy {strategy!r}, "
+                f"which builds {kind!r} (leave type unset: it follows from the strategy)"
             )
         if not isinstance(self.checksums, bool):
             raise ValueError(f"weight_buffer.checksums must be a bool, got {self.checksums!r}")

@@ -1,11 +1,17 @@
 """Errors the policy group raises; each names the worker, rank or step at fault.
 
-A worker's own components are weightsync's, and so are their errors: `CommGroupError` (a
-communication group could not be formed) and `RefitChannelError` are `WeightSyncError`s,
-re-exported by this package.
+The weight-moving parts are weightsync's, and so are their errors (`CommGroupError`,
+`RefitChannelError` are `WeightSyncError`s, re-exported here). When the group itself forms
+communication groups across its workers, a failure is a `CommGroupFormationError`: a
+`PolicyGroupError` (and a `CommGroupError`, for callers that catch that) whose cause is the
+worker's weightsync error.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rlfleet.weightsync import CommGroupError
 
 
 class PolicyGroupError(RuntimeError):
@@ -27,3 +33,11 @@ class TrainWorkerDiedError(WorkerDiedError):
 
 class TaskTimeoutError(PolicyGroupError, TimeoutError):
     """A call on a policy did not finish within its deadline."""
+
+
+class CommGroupFormationError(PolicyGroupError, CommGroupError):
+    """The group could not form a communication group across its workers; `missing_ranks` names
+    the ranks that did not join (as data), `__cause__` is the worker's error when one failed."""
+
+    def __init__(self, message: str, missing_ranks: Sequence[int] = ()) -> None:
+        CommGroupError.__init__(self, message, tuple(missing_ranks))

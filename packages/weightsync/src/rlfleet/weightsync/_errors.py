@@ -1,16 +1,20 @@
 """Errors a weight sync can end in.
 
 Every failure is a `WeightSyncError`; the subclass says what went wrong so a caller can
-decide whether to retry. Whatever the error, the receiver's previous version stays applied.
+decide whether to retry. A receiver that rlfleet applies (a buffer, an endpoint, the node
+buffer) keeps its previous version whatever the error; an engine fed as buckets land
+(`LoadWeightsConsumer(mode="stream")`) cannot roll back, and says so with `PartialLoadError`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 
 class WeightSyncError(RuntimeError):
-    """Base class: the sync did not complete and nothing new was applied."""
+    """Base class: the sync did not complete. rlfleet's own receivers applied nothing new; an
+    engine that took part of the version is named by a `PartialLoadError`."""
 
 
 class LayoutMismatchError(WeightSyncError):
@@ -89,11 +93,17 @@ class UnsafeSegmentError(WeightSyncError, PermissionError):
 
 
 class RendezvousTimeoutError(SyncTimeoutError):
-    """Some ranks did not join a group in time; `missing` names them."""
+    """Some ranks did not join a group in time; `missing_ranks` names them (as `CommGroupError`)."""
 
-    def __init__(self, message: str, missing: Sequence[int]) -> None:
+    def __init__(self, message: str, missing_ranks: Sequence[int]) -> None:
         super().__init__(message)
-        self.missing = list(missing)
+        self.missing_ranks = tuple(missing_ranks)
+
+    @property
+    def missing(self) -> list[int]:
+        """Deprecated: `missing_ranks` (one name for both errors)."""
+        warnings.warn("RendezvousTimeoutError.missing is now missing_ranks", DeprecationWarning, stacklevel=2)
+        return list(self.missing_ranks)
 
 
 class CommGroupError(WeightSyncError):

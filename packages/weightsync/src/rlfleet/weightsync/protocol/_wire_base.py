@@ -1,0 +1,110 @@
+"""What the broadcast sender and receiver share: the wire they run on, the consumer extensions
+a transport may land bytes in, and the session's two bucket buffers (`_wire.py` describes the
+protocol)."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync.protocol._core import Collective, Pending, SessionState, status_round
+
+__all__ = ["BroadcastSession", "BucketTarget", "SyncStats", "TensorTarget", "Wire", "crc_of", "rank_label"]
+
+
+@runtime_checkable
+class BucketTarget(Protocol):
+    """Optional consumer extension: storage where a transport may land a bucket directly.
+
+    ``bucket_target(index)`` returns a flat uint8 tensor of the bucket's nbytes (on the
+    transport's device) that the consumer owns and that may be overwritten during a pending
+    sync without touching the applied version, or None. A transport that writes there then
+    calls ``consume(index, that_tensor)``; the consumer sees its own storage and skips the copy.
+    """
+
+    def bucket_target(self, index: int) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
+class TensorTarget(Protocol):
+    """Optional consumer extension: where a large tensor may land directly, skipping a copy.
+
+    ``tensor_target(name)`` returns a contiguous tensor with the layout's dtype and shape (on
+    the transport's device) that the consumer owns and lets the transport overwrite during the
+    pending sync, or None. The transport asks only for tensors it sends as their own segment
+    (at least ``direct_min`` bytes) and writes every target it was given; the bucket it then
+    passes to ``consume`` holds unspecified bytes for those tensors, which the consumer skips.
+    Whether a target may be live storage (the in-place "None" strategy: no copy at all, but a
+    failed sync leaves it torn) or staging (atomic) is the consumer's choice.
+    """
+
+    def tensor_target(self, name: str) -> torch.Tensor | None: ...
+
+
+class Wire(Collective, Protocol):
+    """The collectives the protocol needs, over one group, bound to one device."""
+
+    @property
+    def src(self) -> int:
+        """Group rank of the sender."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor) -> Pending: ...
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one sync moved, for logs and benchmarks."""
+
+    version: int
+    buckets: int
+    wire_bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.wire_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def crc_of(regions: Sequence[torch.Tensor]) -> int:
+    """CRC32 of the regions' bytes, in order (what a control word carries)."""
+    crc = 0
+    for region in regions:
+        flat = region.detach().reshape(-1)
+        if flat.device.type != "cpu":
+            flat = flat.cpu()
+        crc = zlib.crc32(flat.contiguous().view(torch.uint8).numpy().data.cast("B"), crc)
+    return crc & 0xFFFFFFFF
+
+
+def rank_label(rank: int) -> str:
+    return f"rank {rank}"
+
+
+class BroadcastSession(SessionState):
+    """State shared by sender and receiver: the wire and two bucket buffers."""
+
+    def __init__(self, wire: Wire, direct_min: int) -> None:
+        super().__init__()
+        self.wire = wire
+        self.direct_min = direct_min
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.wire.device)
+            self._buffers[slot] = buf
+        return buf
+
+    def release_buffers(self) -> None:
+        """Free the two bucket buffers (they are re-created on the next sync)."""
+        self._buffers = [None, None]
+
+    def _status_round(self, code: int, deadline: Deadline, what: str) -> list[int]:
+        return status_round(self.wire, (code,), deadline, what)[0]

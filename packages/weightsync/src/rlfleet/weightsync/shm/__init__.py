@@ -1,0 +1,23 @@
+"""Shared memory on one node: segments with creator-checked names, the control block, the
+`ShmRing` transport and the node buffer (`SharedBuffer`, two slots every local reader maps).
+"""
+
+from rlfleet.weightsync.shm._shared_buffer import SharedBuffer, SharedBufferReader
+from rlfleet.weightsync.shm._shm import (
+    SharedSegment,
+    cleanup_stale_segments,
+    install_termination_cleanup,
+    process_alive,
+)
+from rlfleet.weightsync.shm._shm_ring import ShmRingReceiver, ShmRingSender
+
+__all__ = [
+    "SharedBuffer",
+    "SharedBufferReader",
+    "SharedSegment",
+    "ShmRingReceiver",
+    "ShmRingSender",
+    "cleanup_stale_segments",
+    "install_termination_cleanup",
+    "process_alive",
+]
