@@ -55,14 +55,18 @@ def face_breaches(path: Path, tree: ast.Module, limit: int) -> list[str]:
     return out
 
 
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def import_breaches(path: Path, tree: ast.Module, pkg: str) -> list[str]:
     out: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
+            ours = node.module.split(".")[0] == "rlfleet"
             for alias in node.names:
-                ours = node.module.split(".")[0] == "rlfleet"
-                if ours and alias.name.startswith("_") and not alias.name.startswith("__"):
-                    out.append(f"{path}:{node.lineno}: imports the underscore name {alias.name} from {node.module}")
+                if ours and private(alias.name):
+                    out.append(f"{path}:{node.lineno}: imports {alias.name} (private) from {node.module}")
             targets = [node.module]
         elif isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -70,9 +74,9 @@ def import_breaches(path: Path, tree: ast.Module, pkg: str) -> list[str]:
             continue
         for target in targets:
             parts = target.split(".")
-            if parts[0] == "rlfleet" and len(parts) > 1 and parts[1] != pkg:
-                if any(p.startswith("_") and not p.startswith("__") for p in parts[2:]):
-                    out.append(f"{path}:{node.lineno}: imports {target}, another package's private module")
+            foreign = parts[0] == "rlfleet" and len(parts) > 1 and parts[1] != pkg
+            if foreign and any(private(p) for p in parts[2:]):
+                out.append(f"{path}:{node.lineno}: imports {target}, another package's private module")
     return out
 
 
@@ -85,7 +89,7 @@ def size_breaches(path: Path, source: str, tree: ast.Module) -> list[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = (node.end_lineno or node.lineno) - node.lineno + 1
             if length > FUNCTION_LINES:
-                out.append(f"{path}:{node.lineno}: function {node.name} is {length} lines (limit {FUNCTION_LINES})")
+                out.append(f"{path}:{node.lineno}: {node.name} is {length} lines (limit {FUNCTION_LINES})")
     return out
 
 
@@ -105,9 +109,10 @@ def ray_at_module_level(path: Path, tree: ast.Module) -> list[str]:
 def worker_surface(path: Path, tree: ast.Module) -> list[str]:
     out: list[str] = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-            if node.name in WORKER_SURFACE or (isinstance(node, ast.ClassDef) and node.name.endswith("Calls")):
-                out.append(f"{path}:{node.lineno}: {node.name} is a policy worker's surface (policygroup's)")
+        if not isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            continue
+        if node.name in WORKER_SURFACE or (isinstance(node, ast.ClassDef) and node.name.endswith("Calls")):
+            out.append(f"{path}:{node.lineno}: {node.name} is a policy worker's surface (policygroup's)")
     return out
 
 

@@ -195,11 +195,11 @@ def test_local_role_conversion_keeps_weights_consistent() -> None:
 
 
 def test_config_combinations_are_checked() -> None:
-    with pytest.raises(ValueError, match="'WeightBuffer' does not fit buffer_strategy 'Shared'.*'CPUWeightBuffer'"):
+    with pytest.raises(ValueError, match=r"'WeightBuffer' does not fit .*'Shared'.*'CPUWeightBuffer'"):
         WeightBufferConfig(type="WeightBuffer", buffer_strategy="Shared")
-    with pytest.raises(ValueError, match="'CPUWeightBuffer' does not fit .*'Sharded'.*'ShardedWeightBuffer'"):
+    with pytest.raises(ValueError, match=r"'CPUWeightBuffer' does not fit .*'ShardedWeightBuffer'"):
         WeightBufferConfig(type="CPUWeightBuffer", buffer_strategy="Sharded")
-    with pytest.raises(ValueError, match="weight_buffer.type 'Buffer' is unknown"):
+    with pytest.raises(ValueError, match=r"weight_buffer\.type 'Buffer' is unknown"):
         WeightBufferConfig(type="Buffer")
     with pytest.raises(ValueError, match="checksums must be a bool"):
         WeightBufferConfig(checksums="yes")  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from rlfleet.weightsync.cuda._cupy import import_nccl
-from rlfleet.weightsync.cuda._nccl import NcclWire, NcclPending
+from rlfleet.weightsync.cuda._nccl import NcclPending, NcclWire
 from rlfleet.weightsync.dist._dist import GroupMember, TorchPending, map_dist_error
 from rlfleet.weightsync.protocol._core import Collective, Pending
 from rlfleet.weightsync.reshard._reshard_program import GEN, TRAIN, Peer
