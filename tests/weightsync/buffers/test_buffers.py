@@ -656,8 +656,18 @@ def test_copy_version_pins_its_slot_and_checks_versions_and_layouts() -> None:
         with pytest.raises(VersionError, match="version 1 is no longer there"):
             copier_reader.copy_version(1, DoubleBuffer(live_tensors(w.module_for(layout)), layout), w.TIMEOUT)
         other = w.layout_of(dict(w.make_state(1), step=torch.zeros(3, dtype=torch.int64)), BUCKET)
-        with pytest.raises(LayoutMismatchError, match="'step'"):
+        with pytest.raises(LayoutMismatchError, match="'step'") as caught:
             copier_reader.copy_version(3, DoubleBuffer(live_tensors(w.module_for(other)), other), w.TIMEOUT)
+        assert caught.value.parameter == "step"  # as data, not only in the sentence
+        # a buffer built from the model alone has the default bucket size: the error says what to
+        # pass, and the reader holds the writer's layout for it
+        alone = DoubleBuffer(w.module_for(layout))
+        with pytest.raises(LayoutMismatchError, match=rf"SharedBufferReader\.layout.*bucket_bytes={BUCKET}"):
+            copier_reader.copy_version(3, alone, w.TIMEOUT)
+        assert copier_reader.layout.digest == layout.digest
+        fitting = w.module_for(copier_reader.layout)
+        assert copier_reader.copy_version(3, DoubleBuffer(fitting, layout=copier_reader.layout), w.TIMEOUT) == 3
+        assert checksum(dict(fitting.state_dict())) == checksum(w.make_state(3))
         copier_reader.close()
         viewer.close()
 

@@ -130,7 +130,8 @@ class PolicyGroup:
 
     def broadcast_group(self, step: SyncStep) -> tuple[str, int]:
         """(group id, the sender's world rank) of the communication group a broadcast step runs in."""
-        return self._sync.wiring.groups[(step.src, *step.dst)]
+        members = (step.src, *step.dst)
+        return self._sync.wiring.groups[members]
 
     @property
     def shared_weight_buffer_map(self) -> dict[Any, dict[str, Any]]:

@@ -281,7 +281,9 @@ class Layout:
         for spec in specs:
             tensor = state_dict.get(spec.name)
             if tensor is None:
-                raise LayoutMismatchError(f"parameter {spec.name!r} is missing", spec.name)
+                raise LayoutMismatchError(
+                    f"parameter {spec.name!r} is missing from the state dict (the layout has it)", spec.name
+                )
             if not isinstance(tensor, torch.Tensor):
                 raise LayoutMismatchError(f"parameter {spec.name!r} is a {type(tensor).__name__}", spec.name)
             if tuple(tensor.shape) != spec.shape:
@@ -296,7 +298,9 @@ class Layout:
                 )
         extra = [name for name in state_dict if name not in self._by_name] if buckets is None else []
         if extra:
-            raise LayoutMismatchError(f"parameter {extra[0]!r} is not in the layout", extra[0])
+            raise LayoutMismatchError(
+                f"parameter {extra[0]!r} is not in the layout (the state dict has it)", extra[0]
+            )
 
     def difference(self, other: Layout) -> tuple[str | None, str] | None:
         """The first difference from `other`: (the parameter's name or None, a sentence), or None."""

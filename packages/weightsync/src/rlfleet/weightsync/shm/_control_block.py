@@ -21,9 +21,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Self
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+
 
 from rlfleet.weightsync._errors import MetadataError
 from rlfleet.weightsync.shm._shm import PAGE, SharedSegment, memory_fence, process_alive, process_identity
@@ -144,7 +147,7 @@ def probe_header(segment: SharedSegment, shape: BlockShape) -> np.ndarray:
     if segment.size < PAGE:
         raise MetadataError(f"{segment.name!r} is too small to be an rlfleet {shape.kind}")
     view = segment.map_region(0, PAGE)
-    header = np.frombuffer(view, dtype=np.int64, count=shape.header_words).copy()
+    header: np.ndarray = np.frombuffer(view, dtype=np.int64, count=shape.header_words).copy()
     if header[shape.magic_word] != shape.magic or header[shape.format_word] != shape.format:
         raise MetadataError(f"{segment.name!r} is not an rlfleet {shape.kind} of format {shape.format}")
     return header

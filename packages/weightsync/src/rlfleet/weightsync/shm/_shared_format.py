@@ -164,8 +164,15 @@ class SlotTable(ControlBlock):
 
 
 def require_writer_layout(mine: Layout, writer: Layout, what: str) -> None:
-    """LayoutMismatchError naming the first differing parameter, unless the digests agree."""
-    if mine.digest != writer.digest:
-        problem = mine.diff(writer) or "digests differ"
-        param = problem.split("'")[1] if "'" in problem else None
-        raise LayoutMismatchError(f"{what} layout vs writer: {problem}", param)
+    """LayoutMismatchError naming the first differing parameter, unless the digests agree; it
+    says how to get the writer's layout (a reader's `layout`), the usual cause being a buffer
+    built from a model alone, with the default bucket size."""
+    found = mine.difference(writer)
+    if found is not None:
+        param, problem = found
+        raise LayoutMismatchError(
+            f"{what} layout vs writer: {problem}; build it with the writer's "
+            f"layout (SharedBufferReader.layout, or Layout.from_dict of the writer's "
+            f"layout.to_dict()), or with bucket_bytes={writer.bucket_bytes}",
+            param,
+        )

@@ -54,8 +54,10 @@ class SharedBufferReader:
     Writes through the bound tensors fault (the mapping is read-only), so receivers cannot
     corrupt each other's weights. Call `refresh()` when idle (between requests) to move to the
     newest committed version; the writer waits for readers to leave the older slot. A reader
-    that keeps private weights instead takes each version with `copy_version`. Every blocking
-    call takes a deadline (a `Deadline` or seconds; None: 60 s).
+    that keeps private weights instead takes each version with `copy_version`, into a buffer
+    built with the writer's layout: `layout` is the writer's, read from the segment (another
+    process needs nothing else to build its `DoubleBuffer(model, layout=reader.layout)`). Every
+    blocking call takes a deadline (a `Deadline` or seconds; None: 60 s).
     """
 
     def __init__(
