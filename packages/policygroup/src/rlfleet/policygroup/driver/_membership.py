@@ -114,18 +114,25 @@ class Membership:
         return dropped
 
     def refresh(self) -> list[str]:
-        """Drop rollout workers a task found dead, then any other dead one (Ray actors only)."""
-        self.purge_dead()
-        return self.check_liveness() if any(is_remote(p) for p in self.roster.eval_list) else []
+        """Drop rollout workers a task found dead, then any other dead one (Ray actors only);
+        returns the names of those dropped."""
+        dropped = self.purge_dead()
+        if any(is_remote(p) for p in self.roster.eval_list):
+            dropped += self.check_liveness()
+        return dropped
 
-    def purge_dead(self) -> None:
+    def purge_dead(self) -> list[str]:
+        """Drop the rollout workers a task found dead; returns their names."""
         if not self.rollouts.dead:
-            return
+            return []
+        dropped = []
         with self.lock:
             for p in list(self.roster.eval_list):
                 if self.roster.wid(p) in self.rollouts.dead:
+                    dropped.append(self.roster.name(p))
                     self.drop(p, "its task failed with an actor error")
             self.rollouts.dead.clear()
+        return dropped
 
     def drop(self, policy: Policy, why: str) -> None:
         """Take a rollout worker out of the roster, routing and the sync plan."""

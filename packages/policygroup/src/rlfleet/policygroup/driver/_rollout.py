@@ -18,7 +18,7 @@ import ray
 
 from rlfleet.policygroup._batched import BatchedData
 from rlfleet.policygroup._config import PolicyConfig
-from rlfleet.policygroup._errors import WorkerDiedError
+from rlfleet.policygroup._errors import PolicyGroupError, WorkerDiedError
 from rlfleet.policygroup.driver._calls import Policy, Roster, cause, is_dead
 from rlfleet.policygroup.driver._submitter import TaskSubmitter, is_remote
 from rlfleet.routing import NodeAffinityRouter, Router, UnknownWorkerError, create_router
@@ -117,9 +117,25 @@ class Rollouts:
             raise WorkerDiedError(f"{what}: worker {wid} left the group while routing")
         return policy
 
+    def _require_workers(self, what: str) -> None:
+        """A request with no rollout worker at all fails now, not at the end of its deadline."""
+        if len(self.router) == 0:
+            raise PolicyGroupError(
+                f"{what}: the group has no rollout worker (built with num_eval=0, or every one was "
+                "dropped); add one with push() or convert_train_to_eval()"
+            )
+
     def rollout_batch(self, batch: BatchedData[Any]) -> BatchedData[Any]:
         """Route each request (env id as key); one task per worker per batch."""
+        if not (callable(getattr(batch, "ids", None)) and callable(getattr(batch, "values", None))):
+            raise TypeError(
+                f"rollout_batch takes a BatchedData (env ids and their env returns; any object with "
+                f"ids() and values()), got {type(batch).__name__}: wrap a list x as "
+                "BatchedData(list(range(len(x))), x)"
+            )
         ids, values = batch.ids(), batch.values()
+        if ids:
+            self._require_workers("rollout_batch")
         by_worker: dict[Hashable, list[int]] = {}
         for i, wid in enumerate(self.router.assign(ids, timeout=self.config.rpc_timeout_s) if ids else []):
             by_worker.setdefault(wid, []).append(i)
@@ -145,6 +161,8 @@ class Rollouts:
     def postprocess(self, env_ids: Sequence[Any], batched_args: Sequence[Sequence[Any]]) -> BatchedData[Any]:
         """Submit `_postprocess(*args)` per env id to a routed rollout worker."""
         out: list[Any] = []
+        if env_ids:
+            self._require_workers("postprocess")
         for env_id, args in zip(env_ids, zip(*batched_args, strict=True), strict=True):
             wid = self.router.select(env_id, timeout=self.config.rpc_timeout_s)
             try:

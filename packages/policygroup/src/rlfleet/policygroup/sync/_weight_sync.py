@@ -11,6 +11,7 @@ attempt); a dead trainer is an error. A version number a failed send used is nev
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -160,15 +161,16 @@ class WeightSync:
             raise PolicyGroupError("send_weights: the group has no trainer")
         if self.strategy is None:
             raise PolicyGroupError("send_weights: call init_placement_info() and init_weight_buffer() first")
-        self.members.refresh()
+        gone = tuple(self.members.refresh())  # rollout workers found dead as this sync begins
         if not roster.eval_list:
-            return SyncOutcome(version, 0, time.perf_counter() - start)
+            return SyncOutcome(version, 0, time.perf_counter() - start, gone)
         self._rewire()
         plan = self.plan
         assert plan is not None
         in_place = self.strategy == "None"
-        if in_place:
-            self.rollouts.drain(roster.eval_list)
+        drained = list(roster.eval_list) if in_place else []
+        if drained:
+            self.rollouts.drain(drained)
         try:
             run = run_steps.start(
                 plan,
@@ -181,21 +183,23 @@ class WeightSync:
                 self._ipc_options(),
             )
             results = run_steps.outcomes(run, self.calls, f"send_weights v{version}")
-        except BaseException:
-            if in_place:
-                self.rollouts.undrain(roster.eval_list)
-            raise
-        failed = [(p, err) for p, (_, err) in results if err is not None]
-        first = None if not failed else min(failed, key=lambda f: vagueness(f[1]))
-        self.report = run_steps.report(
-            run, results, None if first is None else f"{roster.name(first[0])}: {first[1]}"
-        )
-        if not failed:
-            if in_place:
-                self.applied(version)
-            self.staged = version
-            return SyncOutcome(version, len(plan.steps), time.perf_counter() - start, report=self.report)
-        return self._recover(version, failed, retry, start)
+            failed = [(p, err) for p, (_, err) in results if err is not None]
+            first = None if not failed else min(failed, key=lambda f: vagueness(f[1]))
+            self.report = run_steps.report(
+                run, results, None if first is None else f"{roster.name(first[0])}: {first[1]}"
+            )
+            if not failed:
+                if in_place:
+                    self.applied(version)
+                self.staged = version
+                return SyncOutcome(version, len(plan.steps), time.perf_counter() - start, gone, self.report)
+            outcome = self._recover(version, failed, retry, start)
+            return dataclasses.replace(outcome, dropped=(*gone, *outcome.dropped))
+        finally:
+            # whatever happened (a dead trainer, a failed retry, an interrupt), the router is left
+            # as the send found it: the workers it drained are routed to again
+            if drained:
+                self.rollouts.undrain(drained)
 
     def _ipc_options(self) -> dict[str, Any]:
         """What a cuda_ipc step's channel is made with: backend, the group's bucket size, checksums."""
@@ -221,7 +225,7 @@ class WeightSync:
                 self.members.drop(p, f"died during send_weights v{version}")
         dropped += self.members.refresh()
         if self.strategy == "None":
-            self.rollouts.undrain(roster.eval_list)
+            self.rollouts.undrain(roster.eval_list)  # the retry drains them again
         if retry and len(roster.eval_list) < before:
             msg = "[PolicyGroup] send_weights v%d: retrying for %d surviving rollout workers"
             logger.warning(msg, version, len(roster.eval_list))
