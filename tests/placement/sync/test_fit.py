@@ -12,12 +12,15 @@ from hypothesis import strategies as st
 
 from rlfleet.placement import (
     HARDWARE_PROFILES,
+    MEASURED_PHASES,
     CostModel,
     CostModelError,
     StepReport,
     SyncPlan,
+    SyncPlanError,
     SyncProcess,
     SyncReport,
+    Topology,
     fit_cost_model,
     plan_sync,
     seed_sync_plan,
@@ -158,3 +161,62 @@ def test_every_plan_is_at_or_above_its_lower_bound(
         assert plan.predicted_seconds >= plan.lower_bound_seconds
     seed = seed_sync_plan(procs, [8 * MiB] * n_buckets, strategy, cost=cost)
     assert seed.predicted_seconds >= seed.lower_bound_seconds == plan.lower_bound_seconds
+
+
+def _zeroed(report: SyncReport, phases: tuple[str, ...] = MEASURED_PHASES) -> SyncReport:
+    steps = tuple(
+        dataclasses.replace(s, phases={k: 0.0 if k in phases else v for k, v in s.phases.items()})
+        for s in report.steps
+    )
+    return dataclasses.replace(report, steps=steps)
+
+
+def test_an_all_zero_fit_is_refused_naming_what_cannot_be_right() -> None:
+    rng = random.Random(5)
+    plans = _plans(rng, 4)
+    zeros = [_zeroed(r) for r in _measure(plans, TRUTH, 0.0, rng)]
+    with pytest.raises(CostModelError, match=r"no measurement can be right.*step 0 pack=0\.0 \(zero\)"):
+        fit_cost_model(zeros, plans)
+
+
+def test_zero_phases_are_ignored_and_listed_and_the_rest_still_fit() -> None:
+    rng = random.Random(7)
+    plans = _plans(rng, 16)
+    reports = _measure(plans, TRUTH, 0.0, rng)
+    spoiled = [_zeroed(reports[0], ("wire",)), *reports[1:]]
+    listed = r"ignored \d+ measurement\(s\).*report 0 \(v0\) step 0 wire=0\.0 \(zero\)"
+    with pytest.warns(UserWarning, match=listed):
+        fitted = fit_cost_model(spoiled, plans)
+    assert "impossible measurement(s) ignored" in fitted.source
+    for name in ("per_tensor_s", "per_bucket_s", "memcpy_s_per_byte", "inter_s_per_byte"):
+        assert fitted.linear_values()[name] == pytest.approx(TRUTH.linear_values()[name], rel=1e-3), name
+
+
+def _priced_on_hardware() -> list[SyncPlan]:
+    """Plans on a described cluster (synthetic H100 nodes, the H100 profile): their bounds are facts."""
+    topology = Topology.synthetic(3, 2)
+    procs = [SyncProcess("t0", "trainer", "node0", "cuda:0"), SyncProcess("t1", "trainer", "node0", "cuda:1")]
+    procs += [SyncProcess(f"r{k}", "rollout", f"node{1 + k // 2}", f"cuda:{k % 2}") for k in range(4)]
+    sizes = [256 * MiB] * 8
+    cost = HARDWARE_PROFILES["H100"]
+    return [plan_sync(procs, sizes, s, topology=topology, cost=cost) for s in ("Double", "Shared")]
+
+
+def test_a_report_faster_than_its_plans_lower_bound_is_ignored_or_refused() -> None:
+    plans = _priced_on_hardware()
+    cluster = plans[0].cost  # the profile with the topology's link rates: what the plans were priced on
+    honest = _measure(plans, cluster, 0.0, random.Random(2))
+    assert all(r.measured_seconds >= p.lower_bound_seconds for r, p in zip(honest, plans, strict=True))
+    hundredfold = cluster.with_linear({k: v / 100 for k, v in cluster.linear_values().items()}, "100x")
+    fast = _measure(plans, hundredfold, 0.0, random.Random(2))
+    assert fast[1].measured_seconds < plans[1].lower_bound_seconds
+    with pytest.warns(UserWarning, match=r"report 1 \(v1\): measured .* faster than its plan's lower bound"):
+        fit_cost_model([honest[0], fast[1]], plans, cluster)
+    with pytest.raises(CostModelError, match="faster than its plan's lower bound"):
+        fit_cost_model(fast, plans, cluster)
+
+
+def test_phase_values_that_cannot_be_measured_are_refused_when_reported() -> None:
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(SyncPlanError, match="non-negative finite number of seconds"):
+            StepReport(0, 1.0, 1.0, {"wire": bad})

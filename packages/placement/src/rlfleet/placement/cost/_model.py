@@ -36,7 +36,7 @@ from typing import Any
 from rlfleet.placement._errors import CostModelError
 from rlfleet.placement._public import public
 
-__all__ = ["LINEAR_PARAMS", "PHASES", "CostModel", "pipeline_seconds"]
+__all__ = ["DEFAULT_SOURCE", "LINEAR_PARAMS", "PHASES", "CostModel", "pipeline_seconds"]
 
 #: Phases a step is priced (and measured) in.
 PHASES: tuple[str, ...] = ("pack", "wire", "land", "control")
