@@ -3,6 +3,7 @@ plans are deterministic, and the seed's plan is costed the same way."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -152,15 +153,26 @@ def check_plan(plan: TransferPlan, topo: Topology, model_bytes: int) -> None:
     assert plan.lower_bound_seconds == lower_bound_seconds(topo, model_bytes, plan.sources, plan.receivers)
 
 
+def check_feeders_balanced(plan: TransferPlan, placement: Placement) -> None:
+    """The devices of trainer-only nodes that feed other nodes each send the same bytes off their
+    node (within a byte): the copies are laid end to end and cut into one equal run per feeder."""
+    eval_nodes = {w.node for w in placement.eval}
+    sent: dict[str, int] = {}
+    for s in plan.steps:
+        node = s.src.split("/", 1)[0]
+        if node not in eval_nodes and s.dst.split("/", 1)[0] != node:
+            sent[s.src] = sent.get(s.src, 0) + s.nbytes
+    if sent:
+        assert max(sent.values()) - min(sent.values()) <= 1, sent
+
+
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
 def test_plan_properties(scenario: tuple[Topology, Placement, int, int]) -> None:
     topo, placement, model_bytes, bucket = scenario
     plan = plan_transfer(topo, placement, model_bytes, bucket_bytes=bucket)
     check_plan(plan, topo, model_bytes)
-    # senders feeding one copy split it into shares that differ by at most one bucket (in fact a byte)
-    for node, shares in plan.shares_by_node().items():
-        assert max(shares.values()) - min(shares.values()) <= min(bucket, 1), (node, shares)
+    check_feeders_balanced(plan, placement)
     # every node without a trainer takes the model in through its NICs exactly once
     train_nodes = {p.node for p in placement.train}
     for node in {w.node for w in placement.eval} - train_nodes:
@@ -183,8 +195,7 @@ def test_plan_properties_on_heterogeneous_clusters(
     topo, placement, model_bytes, bucket = scenario
     plan = plan_transfer(topo, placement, model_bytes, bucket_bytes=bucket, relay=relay)
     check_plan(plan, topo, model_bytes)
-    for node, shares in plan.shares_by_node().items():
-        assert max(shares.values()) - min(shares.values()) <= 1, (node, shares)
+    check_feeders_balanced(plan, placement)
     assert plan == plan_transfer(topo, placement, model_bytes, bucket_bytes=bucket, relay=relay)
     seed = seed_plan(topo, placement, model_bytes)
     check_plan(seed, topo, model_bytes)
@@ -389,3 +400,57 @@ def test_trainers_sharing_a_node_with_rollouts_use_the_nodes_idle_nics() -> None
     assert plan.predicted_seconds <= 1.25 * plan.lower_bound_seconds
     out_of_node0 = {s.src for s in plan.steps if s.src.startswith("node0/") and s.kind == "network"}
     assert out_of_node0 == {f"node0/gpu{g}" for g in range(8)}  # every NIC of node 0 carries a share
+
+
+def test_direct_spreads_rollout_nodes_evenly_over_trainer_nodes_and_beats_the_seed() -> None:
+    """Issue 25 #16: 16 nodes x 8 GPUs, 32 trainers on 4 nodes, 96 rollout GPUs on 12, 1 TB. Direct
+    fan-out predicted 10.6 s against the seed's 7.98 s: disjoint feeder groups of 2 or 3 GPUs left
+    some rollout nodes fed through two NICs. Now each trainer node serves three rollout nodes
+    through all of its eight NICs, as the seed's broadcasts do."""
+    topo = Topology.synthetic(16, 8)
+    placement = place_disaggregated(topo, 32, 96, mode="packed")
+    seed = seed_plan(topo, placement, 10**12)
+    direct = plan_transfer(topo, placement, 10**12, relay="direct")
+    assert direct.predicted_seconds <= seed.predicted_seconds
+    served: dict[str, set[str]] = {}
+    for s in direct.steps:
+        if s.kind == "network":
+            served.setdefault(s.src.split("/", 1)[0], set()).add(s.dst.split("/", 1)[0])
+    assert sorted(len(nodes) for nodes in served.values()) == [3, 3, 3, 3]
+    nics = {s.src for s in direct.steps if s.kind == "network"}
+    assert len(nics) == 32  # every trainer NIC sends
+
+
+def _idle_placement(topo: Topology, trainers: int) -> Placement:
+    """Trainers on the first node only, the rest of it idle; rollout workers fill every other node."""
+    gpus = len(topo.devices("node0"))
+    workers = [WorkerPlacement(f"t{i}", "train", "node0", f"gpu{i}") for i in range(trainers)]
+    slots = [(n, d.id) for n in topo.nodes[1:] for d in topo.devices(n)]
+    workers += [WorkerPlacement(f"e{k}", "eval", node, dev) for k, (node, dev) in enumerate(slots)]
+    assert trainers <= gpus
+    return Placement(tuple(workers))
+
+
+SHAPES = [(2, 1, "gpu"), (3, 4, "gpu"), (5, 8, "gpu"), (16, 8, "gpu"), (6, 2, "gpu")]
+SHAPES += [(3, 8, "node"), (8, 4, "node")]  # one NIC per node, on the host
+
+
+@pytest.mark.parametrize(("nodes", "gpus", "nic_per"), SHAPES)
+def test_no_planner_option_is_worse_than_the_seed_under_the_same_constraint(
+    nodes: int, gpus: int, nic_per: str
+) -> None:
+    """ "direct" keeps the seed's constraint (every rollout node fed straight from trainers, no
+    relay) and "auto" is free of it: over packed, spread and half-idle trainer nodes, 1:1 to 1:7
+    trainers to rollout workers, Double and Shared, both predict no longer than the seed's plan."""
+    topo = Topology.synthetic(nodes, gpus, nic_per=nic_per)
+    total = nodes * gpus
+    placements = [_idle_placement(topo, t) for t in sorted({1, gpus // 2 or 1, gpus})]
+    for n_train in sorted({1, max(1, total // 8), max(1, total // 4), max(1, total // 2)}):
+        for mode in ("packed", "spread"):
+            placements.append(place_disaggregated(topo, n_train, total - n_train, mode=mode))
+    cases = itertools.product(placements, (10**9, 10**12), ("Double", "Shared"))
+    for placement, model_bytes, buffer in cases:
+        seed = seed_plan(topo, placement, model_bytes, buffer=buffer)
+        for relay in ("direct", "auto"):
+            ours = plan_transfer(topo, placement, model_bytes, relay=relay, buffer=buffer)
+            assert ours.predicted_seconds <= seed.predicted_seconds * (1 + 1e-12), (relay, buffer, placement)

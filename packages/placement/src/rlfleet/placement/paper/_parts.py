@@ -14,7 +14,9 @@ from rlfleet.placement._errors import PlacementError
 from rlfleet.placement.place._placement import Placement
 from rlfleet.placement.topology._topology import Topology
 
-__all__ = ["View", "blocks", "check_bytes", "choose_trees", "levels", "snap", "split"]
+__all__ = ["Feed", "View", "blocks", "check_bytes", "choose_trees", "feed", "levels", "snap", "split"]
+
+Feed = list[tuple[str, int, int]]  # (feeder, lo, hi): the byte range a feeder sends into one tree
 
 
 def check_bytes(name: str, value: object) -> int:
@@ -150,12 +152,11 @@ def choose_trees(
         )
     latency = 2 * max(p.latency for n in pure for p in view.topology.ports(n))
     n_eval = len(pure)
-    max_trees = min(n_eval, len(feeders))
-    if relay == "direct":
-        candidates = [(max_trees, 1)]
+    if relay == "direct":  # every rollout node straight from the feeders, as the seed's broadcasts
+        candidates = [(n_eval, 1)]
     else:
         fanouts = range(1, max_fanout + 1) if relay == "auto" else (1,)
-        candidates = [(c, k) for c in range(1, max_trees + 1) for k in fanouts]
+        candidates = [(c, k) for c in range(1, n_eval + 1) for k in fanouts]
     best: tuple[float, int, int] | None = None
     for trees, k in candidates:
         depth = levels(math.ceil(n_eval / trees), k)
@@ -170,6 +171,27 @@ def choose_trees(
     depth = levels(math.ceil(n_eval / trees), k)
     shape = "chain" if k == 1 else f"{k}-ary tree"
     return trees, k, f"{trees} {shape}{'s' if trees > 1 else ''} over {n_eval} eval nodes, depth {depth}"
+
+
+def feed(feeders: Sequence[str], trees: int, model_bytes: int) -> list[Feed]:
+    """Each tree's feed: the trees' copies laid end to end and cut into one equal run per feeder.
+
+    Every feeder then sends ``trees / len(feeders)`` of a model (no feeder idles while another
+    sends twice its share, which disjoint groups of unequal size did), and consecutive feeders
+    (one node's, in topology order) feed the same trees, so a trainer node serves as few rollout
+    nodes as it can. Cuts fall on exact multiples of the model where they can, so no tree gets a
+    one-byte sliver from rounding.
+    """
+    count = len(feeders)
+    out: list[Feed] = [[] for _ in range(trees)]
+    for f, feeder in enumerate(feeders):
+        lo, hi = f * trees * model_bytes // count, (f + 1) * trees * model_bytes // count
+        while lo < hi:
+            tree = lo // model_bytes
+            end = min(hi, (tree + 1) * model_bytes)
+            out[tree].append((feeder, lo - tree * model_bytes, end - tree * model_bytes))
+            lo = end
+    return out
 
 
 def blocks(items: Sequence[Any], parts: int) -> list[list[Any]]:

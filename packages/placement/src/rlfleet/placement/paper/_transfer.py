@@ -3,12 +3,14 @@
 Our plan, in three parts:
 
 1. **Many senders.** A copy is one full model landing on a node: one per relay-tree head and one
-   per mixed (trainer + rollout) node. Each copy is fed by a group of devices that split it into
-   disjoint, equal byte ranges (within one byte), so there is no rank-0 funnel: a mixed node by its
-   own trainers, the trees by the trainers of trainer-only nodes, cut into equal groups. When every
-   trainer shares its node with rollout workers, the trees are fed through all of those nodes'
-   NICs: the rollout workers there forward what they received over NVLink, so the node's idle
-   NICs carry their share instead of the trainers' NICs carrying everything.
+   per mixed (trainer + rollout) node. A mixed node's copy is split by its own trainers into
+   equal byte ranges. The trees' copies are laid end to end and cut into one equal run per
+   feeder (trainers of trainer-only nodes, and the idle NIC-owning devices there, which a
+   trainer hands their ranges over NVLink, as NCCL reaches an idle NIC): every feeder sends the
+   same bytes, and one node's feeders feed the same trees, so a trainer node serves as few
+   rollout nodes as it can (no rank-0 funnel, no feeder sending twice another's share). When
+   every trainer shares its node with rollout workers, the trees are fed through all of those
+   nodes' NICs: the rollout workers there forward what they received over NVLink.
 2. **Relay trees across rollout-only nodes.** They form ``C`` trees of fan-out ``k`` (chains when
    ``k == 1``). A node's bytes are split over its NICs (rails) in proportion to bandwidth; each
    rail lands its range on the NIC's device and forwards it, bucket by bucket, to the matching rail
@@ -31,7 +33,7 @@ from rlfleet.placement._errors import PlacementError
 from rlfleet.placement._public import public
 from rlfleet.placement.cost._model import CostModel
 from rlfleet.placement.paper._cost import DEFAULT_PAPER_COST, RawStep, build_plan
-from rlfleet.placement.paper._parts import View, blocks, check_bytes, choose_trees, snap, split
+from rlfleet.placement.paper._parts import Feed, View, blocks, check_bytes, choose_trees, feed, snap, split
 from rlfleet.placement.paper._plan import TransferPlan
 from rlfleet.placement.place._placement import Placement
 from rlfleet.placement.place._seed import SEED_BUFFER_STRATEGIES
@@ -54,6 +56,8 @@ class _Planner:
         self.raw: list[RawStep] = []
         self.landed_at: dict[str, list[tuple[int, int, int]]] = {}
         self.rail_cache: dict[tuple[str, str], list[tuple[str, int, int]]] = {}
+        #: an idle device with its own NIC on a trainer-only node -> the trainer that lends it bytes
+        self.lenders: dict[str, str] = {}
 
     def add(self, src: str, dst: str, lo: int, hi: int, after: int | None) -> int:
         self.raw.append((src, dst, lo, hi - lo, after))
@@ -64,18 +68,21 @@ class _Planner:
     def fan_out(self, node: str, holders: Sequence[Held], leads: Sequence[tuple[str, int, int]] = ()) -> None:
         """Every needy rollout device of ``node`` gets every held range once.
 
-        Star (holder sends to all) when no holder would send more than one model's worth; else a
-        chain through the devices, rotated per range so each device forwards about one model. A
-        chain starts with the devices in ``leads`` that forward the range to other nodes (so their
-        NICs start at once), then the rest.
+        Star (holder sends to all) when no device holder would send more than one model's worth
+        (a host holder, the node's NIC landing, reaches each device over that device's own PCIe
+        link, so it always does); else a chain through the devices, rotated per range so each
+        device forwards about one model. A chain starts with the devices in ``leads`` that forward
+        the range to other nodes (so their NICs start at once), then the rest.
         """
         targets = self.view.needy_by_node[node]
         held: dict[str, int] = {}
         for v, lo, hi, _a in holders:
             held[v] = held.get(v, 0) + hi - lo
-        star = max((n * sum(1 for d in targets if d != v) for v, n in held.items()), default=0)
+        devices = self.view.order
+        sends = [n * sum(1 for d in targets if d != v) for v, n in held.items() if v in devices]
+        star = max(sends, default=0)
         for j, (v, lo, hi, after) in enumerate(holders):
-            if star <= self.model_bytes:
+            if star <= self.model_bytes or v not in devices:
                 for d in targets:
                     if d != v:
                         self.add(v, d, lo, hi, after)
@@ -93,6 +100,19 @@ class _Planner:
         if device in self.view.sources:
             return [(0, self.model_bytes, None)]
         return sorted(self.landed_at.get(device, []))
+
+    def supply(
+        self, device: str, lo: int, hi: int, rails: list[tuple[str, int, int]]
+    ) -> list[tuple[int, int, int | None]]:
+        """What ``device`` can send of ``[lo, hi)`` towards ``rails``: an idle NIC's device first
+        takes the range over NVLink from a trainer of its node (as NCCL reaches an idle NIC), one
+        piece per rail so each piece goes on as soon as it arrived."""
+        lender = self.lenders.get(device)
+        if lender is not None:
+            cuts = [(max(lo, rlo), min(hi, rhi)) for _v, rlo, rhi in rails if max(lo, rlo) < min(hi, rhi)]
+            return [(a, b, self.add(lender, device, a, b, None)) for a, b in cuts]
+        held = self.holdings(device)
+        return [(max(a, lo), min(b, hi), after) for a, b, after in held if max(a, lo) < min(b, hi)]
 
     def rails_for(self, node: str, head: str, template: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
         """``node``'s NIC endpoints with the byte range each carries: the tree head's ranges when
@@ -120,27 +140,24 @@ class _Planner:
                 out.append(self.add(src, v, a, b, after))
         return out
 
-    def tree(self, members: list[str], group: list[str], fanout: int) -> None:
-        """One relay tree over ``members`` (rollout-only nodes), fed by the devices in ``group``."""
+    def tree(self, members: list[str], feeds: Feed, fanout: int) -> None:
+        """One relay tree over ``members`` (rollout-only nodes), fed the ranges in ``feeds``."""
         raw = self.raw
         head = members[0]
         forest = nx.DiGraph()
         forest.add_node(head)
         for j in range(1, len(members)):
             forest.add_edge(members[(j - 1) // fanout], members[j])
-        # the group's feeders split the model evenly; the head's rails split it by NIC bandwidth
-        pieces = split(0, self.model_bytes, [1.0] * len(group))
+        # the feeders' ranges cover the model once; the head's rails split it by NIC bandwidth
         head_rails = self.view.rails(head)
         if not head_rails:
             raise PlacementError(f"node {head!r} holds eval workers but has no link to other nodes")
-        template = snap(split(0, self.model_bytes, [bw for _, bw in head_rails]), [lo for lo, _ in pieces])
+        template = snap(split(0, self.model_bytes, [bw for _, bw in head_rails]), [lo for _, lo, _ in feeds])
         landed: dict[str, list[int]] = {head: []}
-        for src, (plo, phi) in zip(group, pieces, strict=True):
-            for lo, hi, after in self.holdings(src):
-                if max(lo, plo) < min(hi, phi):
-                    landed[head] += self.land(
-                        src, max(lo, plo), min(hi, phi), self.rails_for(head, head, template), after
-                    )
+        head_in = self.rails_for(head, head, template)
+        for src, plo, phi in feeds:
+            for lo, hi, after in self.supply(src, plo, phi, head_in):
+                landed[head] += self.land(src, lo, hi, head_in, after)
         for layer in nx.bfs_layers(forest, head):
             for node in layer:
                 for child in forest.successors(node):
@@ -153,17 +170,28 @@ class _Planner:
                 self.fan_out(node, [(raw[a][1], raw[a][2], raw[a][2] + raw[a][3], a) for a in landed[node]])
 
 
-def _feeders(view: View, mixed: list[str]) -> list[str]:
-    """Devices that feed the relay trees: trainers on trainer-only nodes; failing those, every
-    device of a mixed node that owns a NIC (rollout workers there forward what they received)."""
+def _feeders(view: View, mixed: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Devices that feed the relay trees, and the trainer each idle one borrows its bytes from.
+
+    Trainers on trainer-only nodes, with the devices of those nodes that own a NIC and hold no
+    worker (a trainer hands them ranges over NVLink, so every NIC of the node sends, as the
+    seed's NCCL broadcasts do); failing those, every device of a mixed node that owns a NIC
+    (rollout workers there forward what they received).
+    """
     mixed_set = set(mixed)
     free = [s for s in view.sources if s.split("/", 1)[0] not in mixed_set]
     if free:
-        return free
+        busy = {*view.sources, *view.receivers}
+        lenders: dict[str, str] = {}
+        for node in dict.fromkeys(s.split("/", 1)[0] for s in free):
+            trainers = [s for s in free if s.split("/", 1)[0] == node]
+            idle = [v for v, _bw in view.rails(node) if v in view.order and v not in busy]
+            lenders.update((v, trainers[k % len(trainers)]) for k, v in enumerate(idle))
+        return sorted([*free, *lenders], key=view.order.__getitem__), lenders
     needy = {d for n in mixed for d in view.needy_by_node[n]}
     sources = set(view.sources)
     out = [v for n in mixed for v, _bw in view.rails(n) if v in sources or v in needy]
-    return out or list(view.sources)
+    return out or list(view.sources), {}
 
 
 @public
@@ -184,9 +212,10 @@ def plan_transfer(
     ``buffer`` names the eval-side weight buffer ("None", "Double", "Shared"); bytes move the same
     way for all three (one landing per node, read by its local receivers) and only the staging
     differs, so it is validated, not modelled. ``relay``: "auto" (chains or trees, whichever the
-    estimate favours), "chain" (fan-out 1), "direct" (as many trees as feeders allow, depth 1 when
-    possible). ``cost`` prices the plan (link rates always come from the topology; default: the
-    H100 profile's efficiency and overheads). Deterministic: equal inputs give an equal plan.
+    estimate favours), "chain" (fan-out 1), "direct" (every rollout-only node fed straight from
+    the feeders, depth 1: the seed's constraint, and never slower than the seed's plan). ``cost``
+    prices the plan (link rates always come from the topology; default: the H100 profile's
+    efficiency and overheads). Deterministic: equal inputs give an equal plan.
     """
     check_bytes("model_bytes", model_bytes)
     check_bytes("bucket_bytes", bucket_bytes)
@@ -208,18 +237,16 @@ def plan_transfer(
     by_node: dict[str, list[str]] = {}
     for s in view.sources:
         by_node.setdefault(s.split("/", 1)[0], []).append(s)
-    trees: list[tuple[list[str], list[str]]] = []
+    trees: list[tuple[list[str], Feed]] = []
     leads: list[tuple[str, int, int]] = []  # (feeder, lo, hi): what each tree feeder forwards
     description, fanout = "", 1
     if pure:
-        feeders = _feeders(view, mixed)
+        feeders, planner.lenders = _feeders(view, mixed)
         n_trees, fanout, description = choose_trees(
             view, pure, feeders, model_bytes, bucket_bytes, relay, max_fanout
         )
-        trees = list(zip(blocks(pure, n_trees), blocks(feeders, n_trees), strict=True))
-        for _members, group in trees:
-            pieces = split(0, model_bytes, [1.0] * len(group))
-            leads += [(f, lo, hi) for f, (lo, hi) in zip(group, pieces, strict=True)]
+        trees = list(zip(blocks(pure, n_trees), feed(feeders, n_trees, model_bytes), strict=True))
+        leads = [lead for _members, feeds in trees for lead in feeds]
     for node in mixed:  # a mixed node's own trainers feed its rollout devices over NVLink/PCIe
         here = [lead for lead in leads if lead[0].split("/", 1)[0] == node]
         cuts = sorted({b for _f, lo, hi in here for b in (lo, hi)})
@@ -232,8 +259,8 @@ def plan_transfer(
     if mixed:
         local = f"{len(mixed)} local fan-out{'s' if len(mixed) != 1 else ''}"
         description = f"{local}; {description}" if description else local
-    for members, group in trees:
-        planner.tree(members, group, fanout)
+    for members, feeds in trees:
+        planner.tree(members, feeds, fanout)
     return build_plan(
         topology,
         planner.raw,
