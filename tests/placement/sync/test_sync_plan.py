@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -346,3 +347,35 @@ def test_a_cpu_broadcast_to_its_own_node_crosses_the_machines_tcp_stack() -> Non
     assert cpu_local.predicted_seconds > 1.2 * cpu_alone.predicted_seconds
     gpu_local, gpu_alone = seed_plan("cuda:0", True), seed_plan("cuda:0", False)
     assert gpu_local.predicted_seconds == pytest.approx(gpu_alone.predicted_seconds, rel=0.05)
+
+
+@pytest.mark.parametrize("planner", [plan_sync, seed_sync_plan])
+def test_a_plan_with_nothing_to_move_or_nobody_to_receive_is_refused_naming_what_is_missing(
+    planner: Any,
+) -> None:
+    with pytest.raises(SyncPlanError, match="no processes"):
+        planner([], BUCKETS, "Double")
+    with pytest.raises(SyncPlanError, match=r"no rollout worker among the processes \['t0', 't1'\]"):
+        planner([T("t0", "n0"), T("t1", "n1")], BUCKETS, "Double")
+    with pytest.raises(SyncPlanError, match="no buckets"):
+        planner(cluster(1), [], "Double")
+
+
+@pytest.mark.parametrize("planner", [plan_sync, seed_sync_plan])
+def test_bucket_bytes_is_each_buckets_size_and_an_int_is_refused_saying_so(planner: Any) -> None:
+    with pytest.raises(SyncPlanError, match=r"bucket_bytes is the size of each bucket.*\[67108864\] \* n"):
+        planner(cluster(1), 64 * MiB, "Double")
+
+
+def test_device_strings_are_cpu_or_cuda_and_anything_else_is_named() -> None:
+    for device in ("cpu", "CPU", "cpu:0", "Cpu:3"):
+        assert not R("r0", "n0", device).gpu
+        assert R("r0", "n0", device).device == "cpu"
+    for device, canonical in (("cuda", "cuda"), ("cuda:1", "cuda:1"), ("CUDA:2", "cuda:2")):
+        assert R("r0", "n0", device).gpu
+        assert R("r0", "n0", device).device == canonical
+    for bad in ("banana", "CPU:x", "cuda:", "cuda:-1", "gpu0", "cuda:1:2", " cpu"):
+        with pytest.raises(SyncPlanError, match=rf"process 'r0': device must be .*got {bad!r}"):
+            R("r0", "n0", bad)
+    plan = plan_sync([T("t0", "n0", "CPU"), R("r0", "n0", "cpu:0")], BUCKETS, "Double")
+    assert [s.transport for s in plan.steps] == ["node_buffer"]  # CPU processes: no CUDA IPC step

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,21 @@ SYNC_FORMAT = 1
 Role = Literal["trainer", "rollout"]
 
 
+_DEVICE = re.compile(r"(?i)(cpu)(?::\d+)?|(cuda)(?::(\d+))?")
+
+
+def _device(value: str, pid: str) -> str:
+    """The canonical device: "cpu" (any "cpu" or "cpu:N", any case) or "cuda" / "cuda:N"."""
+    match = _DEVICE.fullmatch(value)
+    if match is None:
+        raise SyncPlanError(
+            f"process {pid!r}: device must be 'cpu', 'cuda' or 'cuda:N' (any case), got {value!r}"
+        )
+    if match.group(1):
+        return "cpu"
+    return "cuda" if match.group(3) is None else f"cuda:{int(match.group(3))}"
+
+
 def _text(value: object, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise SyncPlanError(f"{what} must be a non-empty string, got {value!r}")
@@ -67,7 +83,8 @@ def _text(value: object, what: str) -> str:
 class SyncProcess:
     """A process taking part in a sync: a trainer (holds the full weights) or a rollout worker.
 
-    ``device`` is "cpu" or a GPU name ("cuda:0"); ``shard`` is ``(index, count)`` for a Sharded
+    ``device`` is "cpu" or a GPU ("cuda", "cuda:0"; any case, and "cpu:N" is the CPU, kept as the
+    canonical lower-case name; anything else is refused); ``shard`` is ``(index, count)`` for a Sharded
     rollout worker that keeps ``1 / count`` of the weights. ``machine`` names the physical host
     when several nodes share one (several raylets on a machine, as in a local test cluster):
     they share its network interfaces, so pricing counts their traffic on the same links.
@@ -86,6 +103,7 @@ class SyncProcess:
             raise SyncPlanError(f"process {self.id!r}: role must be one of {list(ROLES)}, got {self.role!r}")
         _text(self.node, f"process {self.id!r}: node")
         _text(self.device, f"process {self.id!r}: device")
+        object.__setattr__(self, "device", _device(self.device, self.id))
         if self.machine is not None:
             _text(self.machine, f"process {self.id!r}: machine")
         if self.shard is not None:

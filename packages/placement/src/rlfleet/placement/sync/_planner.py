@@ -51,7 +51,15 @@ FALLBACK_SOURCE = (
 def _check_inputs(
     processes: Sequence[SyncProcess], bucket_bytes: Sequence[int], strategy: str
 ) -> tuple[tuple[SyncProcess, ...], tuple[int, ...]]:
+    if isinstance(bucket_bytes, int):  # weightsync's bucket_bytes is a cap; here it is every size
+        raise SyncPlanError(
+            f"bucket_bytes is the size of each bucket of the layout (a list, e.g. "
+            f"[b.nbytes for b in layout.buckets]), got the int {bucket_bytes}: for uniform buckets "
+            f"pass [{bucket_bytes}] * n"
+        )
     procs = tuple(processes)
+    if not procs:
+        raise SyncPlanError("no processes: a plan needs trainers to send and rollout workers to receive")
     seen: set[str] = set()
     for i, p in enumerate(procs):
         if not isinstance(p, SyncProcess):
@@ -62,10 +70,15 @@ def _check_inputs(
     if strategy not in SYNC_STRATEGIES:
         raise SyncPlanError(f"strategy must be one of {list(SYNC_STRATEGIES)}, got {strategy!r}")
     sizes = tuple(bucket_bytes)
+    if not sizes:
+        raise SyncPlanError("no buckets: bucket_bytes is empty, so there is nothing to move")
     for i, size in enumerate(sizes):
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise SyncPlanError(f"bucket_bytes[{i}] must be a non-negative int, got {size!r}")
-    if any(p.role == "rollout" for p in procs) and not any(p.role == "trainer" for p in procs):
+    if not any(p.role == "rollout" for p in procs):
+        ids = [p.id for p in procs]
+        raise SyncPlanError(f"no rollout worker among the processes {ids}: nobody to send the weights to")
+    if not any(p.role == "trainer" for p in procs):
         raise SyncPlanError("rollout workers but no trainer: nobody holds the weights to send")
     if strategy != "Sharded" and any(p.shard is not None for p in procs):
         bad = next(p.id for p in procs if p.shard is not None)
