@@ -154,7 +154,8 @@ class TransferPlan:
         return plan_to_dot(self)
 
     def draw(self, path: str | Path) -> Path:
-        """Write a PNG of the plan to ``path`` (needs matplotlib: ``rlfleet-placement[draw]``)."""
+        """Draw the plan's nodes to ``path``: PNG, SVG(Z) or PDF by its suffix, another suffix
+        refused (needs matplotlib: ``rlfleet-placement[draw]``)."""
         from rlfleet.placement.paper._render import draw_plan
 
         return draw_plan(self, Path(path))

@@ -361,7 +361,8 @@ class SyncPlan:
         return sync_plan_to_dot(self, report)
 
     def draw(self, path: str | Path, report: SyncReport | None = None) -> Path:
-        """Write a PNG of the plan (needs matplotlib: ``rlfleet-placement[draw]``)."""
+        """Draw the plan to ``path``: PNG, SVG(Z) or PDF by its suffix, another suffix refused
+        (needs matplotlib: ``rlfleet-placement[draw]``)."""
         from rlfleet.placement.sync._render import draw_sync_plan
 
         return draw_sync_plan(self, Path(path), report)

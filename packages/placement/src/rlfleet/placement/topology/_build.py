@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from rlfleet.placement._errors import TopologyError
+from rlfleet.placement._format import human_rate
 from rlfleet.placement.topology._graph import Link, Switch, TopologyGraph
 
 __all__ = ["SyntheticLinks", "build_from_spec", "build_synthetic", "check_id"]
@@ -114,7 +115,8 @@ def build_synthetic(
     check_id(node_prefix + "0", "synthetic: node_prefix")
     topo = cls()
     topo.source = (
-        f"synthetic: {nodes} nodes x {gpus_per_node} GPUs, NIC {rates.nic_bandwidth:.3g} B/s per {nic_per}"
+        f"synthetic: {nodes} nodes x {gpus_per_node} GPUs, NIC {human_rate(rates.nic_bandwidth)} "
+        f"per {nic_per.upper() if nic_per == 'gpu' else nic_per}"
     )
     fabric = Switch("fabric")
     for n in range(nodes):
