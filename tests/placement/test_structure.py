@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import pydoc
 import warnings
 from pathlib import Path
 
@@ -90,3 +91,9 @@ def test_the_renamed_seed_strategies_warn_and_name_the_new_name() -> None:
         assert rlfleet.placement.SEED_BUFFER_STRATEGIES  # the new name is quiet
     with pytest.raises(AttributeError, match="no attribute 'NOPE'"):
         _ = rlfleet.placement.NOPE  # type: ignore[attr-defined]
+
+
+def test_help_names_the_import_users_write_not_a_private_module() -> None:
+    for obj in (rlfleet.placement.plan_sync, rlfleet.placement.SyncPlan, rlfleet.placement.fit_cost_model):
+        first = pydoc.render_doc(obj, renderer=pydoc.plaintext).splitlines()[0]
+        assert first.endswith(f"{obj.__name__} in module rlfleet.placement"), first

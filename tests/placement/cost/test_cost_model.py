@@ -81,3 +81,14 @@ def test_topology_overrides_keep_a_models_rates() -> None:
     assert (kept.cost.inter_node_bytes_per_s, kept.cost.latency_s) == (3e9, 1e-4)
     fallback = plan_sync(procs, [MiB] * 4, "Double", topology=Topology.from_ray_nodes(nodes), cost=model)
     assert fallback.cost.inter_node_bytes_per_s != 3e9  # without them the topology's fallback NIC wins
+
+
+def test_an_unknown_hardware_profile_lists_the_ones_there_are() -> None:
+    listed = r"unknown hardware profile 'h100'.*'H100', 'H200', 'H20'.*did you mean 'H100'"
+    with pytest.raises(KeyError, match=listed):
+        HARDWARE_PROFILES["h100"]
+    with pytest.raises(KeyError, match=r"unknown hardware profile 'B200'; known: 'H100', 'H200', 'H20'"):
+        HARDWARE_PROFILES["B200"]
+    assert HARDWARE_PROFILES.get("h100") is None  # a lookup that may miss still may
+    assert "H100" in HARDWARE_PROFILES
+    assert list(HARDWARE_PROFILES) == ["H100", "H200", "H20"]

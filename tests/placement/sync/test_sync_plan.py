@@ -169,6 +169,11 @@ def test_diff_after_death_join_pop_and_convert() -> None:
     assert base.diff(base).summary() == "no change"
     died = plan_sync([p for p in cluster(2) if p.id != "r3"], BUCKETS, "Shared")  # r3 wrote n2's buffer
     d = died.diff(base)
+    assert d.summary().startswith(f"from {base.digest[:8]} to {died.digest[:8]}: ")  # which way it goes
+    assert "-1 process (r3)" in d.summary()
+    back = base.diff(died).summary()
+    assert back.startswith(f"from {died.digest[:8]} to {base.digest[:8]}: ")
+    assert "+1 process (r3)" in back
     assert d.processes_removed == ("r3",)
     assert not d.processes_added
     assert ("t0", "r1", "r3") in d.groups_removed

@@ -8,11 +8,11 @@ cluster itself. Nominal rates are per direction.
 
 from __future__ import annotations
 
-from types import MappingProxyType
+from collections.abc import Iterator, Mapping
 
 from rlfleet.placement.cost._model import CostModel
 
-__all__ = ["HARDWARE_PROFILES"]
+__all__ = ["HARDWARE_PROFILES", "Profiles"]
 
 # --- shared by the three Hopper nodes ------------------------------------------------------------
 # NVLink 4: "900 gigabytes per second (GB/s) bidirectional per GPU" (nvidia.com, Hopper
@@ -64,10 +64,35 @@ def _profile(name: str, hbm_bytes_per_s: float, hbm_source: str) -> CostModel:
     )
 
 
+class Profiles(Mapping[str, CostModel]):
+    """A read-only mapping whose missing key names the profiles there are (and a near miss)."""
+
+    def __init__(self, profiles: Mapping[str, CostModel]) -> None:
+        self._profiles = dict(profiles)
+
+    def __getitem__(self, name: str) -> CostModel:
+        try:
+            return self._profiles[name]
+        except KeyError:
+            known = ", ".join(repr(k) for k in self._profiles)
+            near = [k for k in self._profiles if k.lower() == str(name).lower()]
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise KeyError(f"unknown hardware profile {name!r}; known: {known}{hint}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._profiles)
+
+    def __len__(self) -> int:
+        return len(self._profiles)
+
+    def __repr__(self) -> str:
+        return f"HARDWARE_PROFILES({', '.join(self._profiles)})"
+
+
 #: "H100": HBM3 3.35 TB/s (NVIDIA H100 SXM datasheet); "H200": HBM3e 4.8 TB/s (NVIDIA H200
 #: datasheet); "H20": HBM3 4.0 TB/s (96 GB; NVIDIA's H20 figures as reported publicly). All three
 #: with NVLink 4 and eight 400 Gb/s NICs per node.
-HARDWARE_PROFILES = MappingProxyType(
+HARDWARE_PROFILES = Profiles(
     {
         "H100": _profile("H100", 3.35e12, "HBM3 3.35 TB/s"),
         "H200": _profile("H200", 4.8e12, "HBM3e 4.8 TB/s"),

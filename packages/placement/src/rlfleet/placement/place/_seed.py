@@ -9,6 +9,9 @@ very objects passed in (actor handles, ids, ...). Kept quirks, on purpose:
   and a cross-node item names only the first eval policy of the target node;
 * an unknown strategy is only reported when some item is built (a cluster with train-only nodes
   and no eval node returns ``{}`` whatever the strategy).
+
+Errors keep the seed's message as their start; the unknown strategy's goes on to list the valid
+ones (`SEED_BUFFER_STRATEGIES`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def build_transfer_info_for_disaggregated(
     Nodes with only eval policies are dealt round-robin to train-only nodes (or, failing those, to
     mixed nodes); each item's sender is the node's train policy ``idx % len(train_policies)``.
     Returns ``transfer_info`` (the seed's docstring promises a tuple; the code returns this dict).
-    Raises ValueError("No train policy found") or ValueError("Unsupported weight buffer strategy: ...").
+    Raises ValueError("No train policy found") or ValueError("Unsupported weight buffer strategy: ...")
+    (the seed's messages; the second goes on to list the valid strategies).
     """
     router_map: dict[Any, list[Any]] = {}
     transfer_info: dict[Any, list[dict[str, Any]]] = {}
@@ -91,7 +95,9 @@ def build_transfer_info_for_disaggregated(
                         )
                     item["receiver"].append(evals[0])
             else:
-                raise ValueError(f"Unsupported weight buffer strategy: {weight_buffer_strategy}")
+                valid = ", ".join(repr(v) for v in SEED_BUFFER_STRATEGIES)
+                seed_text = f"Unsupported weight buffer strategy: {weight_buffer_strategy}"
+                raise ValueError(f"{seed_text} (valid: {valid})")
             transfer_info[node_id].append(item)
     return transfer_info
 

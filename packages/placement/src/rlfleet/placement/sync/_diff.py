@@ -22,7 +22,8 @@ __all__ = ["SyncPlanDiff", "diff_plans", "endpoint_needs", "nodes_to_rewire"]
 @public
 @dataclass(frozen=True)
 class SyncPlanDiff:
-    """Differences from a previous plan to a new one (each tuple in the new or old plan's order)."""
+    """Differences from a previous plan to a new one (each tuple in the new or old plan's order):
+    ``new.diff(old)``; "added" is in ``new`` and not in ``old``."""
 
     processes_added: tuple[str, ...]
     processes_removed: tuple[str, ...]
@@ -34,6 +35,9 @@ class SyncPlanDiff:
     node_buffers_changed: tuple[str, ...]
     strategy_changed: bool = False
     buckets_changed: bool = False
+    #: The digests of the previous and the new plan: the diff goes from ``old`` to ``new``.
+    old_digest: str = ""
+    new_digest: str = ""
 
     @property
     def empty(self) -> bool:
@@ -52,7 +56,8 @@ class SyncPlanDiff:
         )
 
     def summary(self) -> str:
-        """One line, e.g. ``+1 process, -2 steps, +1 group, node buffers changed on n2``."""
+        """One line saying which way it goes, e.g. ``from 1f2e3d4c to 9a8b7c6d: -1 process (r3),
+        -2 steps, +1 group, node buffers changed on n2`` (first 8 hex digits of each digest)."""
         if self.empty:
             return "no change"
         parts: list[str] = []
@@ -63,7 +68,8 @@ class SyncPlanDiff:
             for label, found in zip(("process", "step", "group"), items, strict=True):
                 if found:
                     plural = "" if len(found) == 1 else ("es" if label == "process" else "s")
-                    parts.append(f"{sign}{len(found)} {label}{plural}")
+                    named = f" ({', '.join(map(str, found))})" if label == "process" else ""
+                    parts.append(f"{sign}{len(found)} {label}{plural}{named}")
         if self.roles_changed:
             parts.append(f"role changed: {', '.join(self.roles_changed)}")
         if self.node_buffers_changed:
@@ -72,7 +78,8 @@ class SyncPlanDiff:
             parts.append("strategy changed")
         if self.buckets_changed:
             parts.append("buckets changed")
-        return ", ".join(parts)
+        way = f"from {self.old_digest[:8] or 'previous'} to {self.new_digest[:8] or 'new'}: "
+        return way + ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +93,8 @@ class SyncPlanDiff:
             "node_buffers_changed": list(self.node_buffers_changed),
             "strategy_changed": self.strategy_changed,
             "buckets_changed": self.buckets_changed,
+            "old_digest": self.old_digest,
+            "new_digest": self.new_digest,
         }
 
 
@@ -147,4 +156,6 @@ def diff_plans(old: SyncPlan, new: SyncPlan) -> SyncPlanDiff:
         node_buffers_changed=tuple(changed_bufs),
         strategy_changed=old.strategy != new.strategy,
         buckets_changed=old.bucket_bytes != new.bucket_bytes or old.layout_digest != new.layout_digest,
+        old_digest=old.digest,
+        new_digest=new.digest,
     )
