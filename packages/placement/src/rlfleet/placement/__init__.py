@@ -1,20 +1,10 @@
-"""rlfleet.placement: topology graphs, placement plans, communication-group plans and topology-aware
-weight-transfer planning for RL post-training clusters (networkx only; matplotlib for drawing)."""
+"""rlfleet.placement: topology graphs, placement plans, communication-group plans, sync plans and
+topology-aware weight-transfer planning for RL post-training clusters (networkx only; matplotlib for
+drawing). The family folders (cost < topology < place | reshard < sync < schedule | paper) hold the
+code; this face re-exports their public names."""
 
 from rlfleet.placement.__about__ import __version__
-from rlfleet.placement._cluster import NvidiaSmiTopo, parse_nvidia_smi_topo
-from rlfleet.placement._cluster_plan import place_on_ray_nodes, ray_node_topology
-from rlfleet.placement._comm import (
-    INTRA_NODE,
-    TRAIN_DATA_PARALLEL,
-    WEIGHT_TRANSFER,
-    CommGroup,
-    CommGroupPlan,
-    RankInfo,
-    plan_comm_groups,
-)
-from rlfleet.placement._cost import lower_bound_seconds
-from rlfleet.placement._cost_model import LINEAR_PARAMS, CostModel, pipeline_seconds
+from rlfleet.placement._deprecated import __getattr__ as __getattr__
 from rlfleet.placement._errors import (
     CapacityError,
     ColocatedSizeError,
@@ -25,51 +15,105 @@ from rlfleet.placement._errors import (
     SyncPlanError,
     TopologyError,
 )
-from rlfleet.placement._placement import (
+from rlfleet.placement.cost import (
+    HARDWARE_PROFILES,
+    LINEAR_PARAMS,
+    CostModel,
+    pipeline_seconds,
+)
+from rlfleet.placement.paper import (
+    DEFAULT_BUCKET_BYTES,
+    RELAY_MODES,
+    LinkLoad,
+    TransferPlan,
+    TransferStep,
+    cost_transfer_info,
+    lower_bound_seconds,
+    plan_transfer,
+    seed_plan,
+)
+from rlfleet.placement.place import (
     NODE_ID_LABEL,
+    SEED_BUFFER_STRATEGIES,
     Bundle,
     Placement,
     WorkerPlacement,
-    place_colocated,
-    place_disaggregated,
-)
-from rlfleet.placement._plan import LinkLoad, TransferPlan, TransferStep
-from rlfleet.placement._profiles import HARDWARE_PROFILES
-from rlfleet.placement._reshard import DEFAULT_STRIPE_BYTES, plan_reshard
-from rlfleet.placement._reshard_cost import ReshardCost, price_reshard, reshard_lower_bound
-from rlfleet.placement._reshard_plan import Move, ReshardPlan
-from rlfleet.placement._reshard_specs import DTYPE_SIZES, Parallelism, ParamSpec
-from rlfleet.placement._seed import (
-    WEIGHT_BUFFER_STRATEGIES,
     build_transfer_info_for_colocated,
     build_transfer_info_for_disaggregated,
+    place_colocated,
+    place_disaggregated,
+    place_on_ray_nodes,
+    ray_node_topology,
 )
-from rlfleet.placement._sync_diff import SyncPlanDiff, endpoint_needs, nodes_to_rewire
-from rlfleet.placement._sync_plan import (
-    GROUP_TRANSPORTS,
-    SYNC_STRATEGIES,
-    TRANSPORTS,
-    NodeBuffer,
-    SyncPlan,
-    SyncProcess,
-    SyncStep,
+from rlfleet.placement.reshard import (
+    DEFAULT_STRIPE_BYTES,
+    DTYPE_SIZES,
+    Move,
+    Parallelism,
+    ParamSpec,
+    ReshardCost,
+    ReshardPlan,
+    plan_reshard,
+    price_reshard,
+    reshard_lower_bound,
 )
-from rlfleet.placement._sync_planner import FANOUTS, SENDERS, plan_sync, seed_sync_plan, split_shares
-from rlfleet.placement._sync_report import MEASURED_PHASES, StepReport, SyncReport
-from rlfleet.placement._sync_schedule import CALL_KINDS, GroupPart, PlannedCall, schedule_calls, sync_report
-from rlfleet.placement._sync_setup import (
+from rlfleet.placement.schedule import (
+    CALL_KINDS,
     CUDA_IPC_SETTINGS,
+    INTRA_NODE,
     PLANNERS,
+    TRAIN_DATA_PARALLEL,
+    WEIGHT_TRANSFER,
+    BufferWiring,
+    CommGroup,
+    CommGroupPlan,
+    GroupPart,
+    NodeWiring,
+    PlannedCall,
+    RankInfo,
+    SyncGroups,
     WorkerSite,
     check_sync_options,
     cuda_ipc_mode,
     make_sync_plan,
+    node_wiring,
+    plan_comm_groups,
+    schedule_calls,
     sync_processes,
+    sync_report,
 )
-from rlfleet.placement._sync_wiring import BufferWiring, NodeWiring, SyncGroups, node_wiring
-from rlfleet.placement._topology import DEVICE_KINDS, LINK_KINDS, Device, Link, Port, Switch, Topology
-from rlfleet.placement._transfer import DEFAULT_BUCKET_BYTES, RELAY_MODES, plan_transfer
-from rlfleet.placement._transfer_seed import cost_transfer_info, seed_plan
+from rlfleet.placement.sync import (
+    FANOUTS,
+    GROUP_TRANSPORTS,
+    MEASURED_PHASES,
+    SENDERS,
+    SYNC_STRATEGIES,
+    TRANSPORTS,
+    NodeBuffer,
+    StepReport,
+    SyncPlan,
+    SyncPlanDiff,
+    SyncProcess,
+    SyncReport,
+    SyncStep,
+    endpoint_needs,
+    fit_cost_model,
+    nodes_to_rewire,
+    plan_sync,
+    seed_sync_plan,
+    split_shares,
+)
+from rlfleet.placement.topology import (
+    DEVICE_KINDS,
+    LINK_KINDS,
+    Device,
+    Link,
+    NvidiaSmiTopo,
+    Port,
+    Switch,
+    Topology,
+    parse_nvidia_smi_topo,
+)
 
 __all__ = [
     "CALL_KINDS",
@@ -88,11 +132,11 @@ __all__ = [
     "NODE_ID_LABEL",
     "PLANNERS",
     "RELAY_MODES",
+    "SEED_BUFFER_STRATEGIES",
     "SENDERS",
     "SYNC_STRATEGIES",
     "TRAIN_DATA_PARALLEL",
     "TRANSPORTS",
-    "WEIGHT_BUFFER_STRATEGIES",
     "WEIGHT_TRANSFER",
     "BufferWiring",
     "Bundle",
@@ -143,6 +187,7 @@ __all__ = [
     "cost_transfer_info",
     "cuda_ipc_mode",
     "endpoint_needs",
+    "fit_cost_model",
     "lower_bound_seconds",
     "make_sync_plan",
     "node_wiring",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rlfleet.placement._public import public
+
 __all__ = [
     "CapacityError",
     "ColocatedSizeError",
@@ -14,18 +16,22 @@ __all__ = [
 ]
 
 
+@public
 class PlacementError(ValueError):
     """Bad input to rlfleet.placement (a ValueError, so generic callers can catch it)."""
 
 
+@public
 class TopologyError(PlacementError):
     """A topology spec or query is malformed: unknown vertex, bad bandwidth, duplicate id, ..."""
 
 
+@public
 class CapacityError(PlacementError):
     """The topology has too few devices for the requested workers; the message says what is short."""
 
 
+@public
 class ColocatedSizeError(PlacementError, AssertionError):
     """More eval than train workers in colocated mode.
 
@@ -33,10 +39,12 @@ class ColocatedSizeError(PlacementError, AssertionError):
     """
 
 
+@public
 class EmptyEvalNodeError(PlacementError, IndexError):
     """A node listed as an eval node holds no eval policy (the seed fails here with IndexError)."""
 
 
+@public
 class ReshardError(PlacementError):
     """A reshard input or plan is inconsistent; the message names the parameter and slice."""
 
@@ -45,9 +53,11 @@ class ReshardError(PlacementError):
         self.parameter = parameter
 
 
+@public
 class SyncPlanError(PlacementError):
     """A sync plan (or the input to plan one) is inconsistent; the message names the step or process."""
 
 
+@public
 class CostModelError(PlacementError):
     """A cost model parameter is out of range, or a calibration has nothing to fit."""

@@ -1,7 +1,7 @@
 """`PolicyGroup.calibrate`: the cost model's terms measured on the cluster the group runs on: a
 prior from the terms measured on their own (`CostModel.with_measured_terms`: the Ray control round
 trip, a trainer's host copy terms, the broadcast protocol's rate over one of the plan's groups),
-fitted to a few real syncs of the group and any measured elsewhere here (`CostModel.refined`)."""
+fitted to a few real syncs of the group and any measured elsewhere here (`fit_cost_model`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from rlfleet.placement import CostModel, SyncPlan, SyncReport
+from rlfleet.placement import CostModel, SyncPlan, SyncReport, fit_cost_model
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup.driver._submitter import is_remote
 
@@ -73,4 +73,4 @@ def calibrate(
         if i and report is not None and report.ok and plan is not None:
             pairs.append((report, plan))
     pairs += extra
-    return model.refined([r for r, _ in pairs], [p for _, p in pairs]) if pairs else model
+    return fit_cost_model([r for r, _ in pairs], [p for _, p in pairs], model) if pairs else model
