@@ -65,10 +65,22 @@ class LoadHeap(Generic[W]):
     def pop_min(self, group: int | None, limit: int | None) -> WorkerState[W] | None:
         """Charge one request to the least-loaded member of `group` (None: none under `limit`)."""
         heap = None if group is None else self.heaps.get(group)
-        if heap is None:
-            return None
-        top = _live_top(heap)
-        return None if top is None or (limit is not None and top[0] >= limit) else _charge(heap, top)
+        while heap:  # `_live_top` then `_charge`, inlined: this is every heap router's hot path
+            load, ticket, st = heap[0]
+            if st.ticket != ticket:
+                heappop(heap)  # stale entry
+                continue
+            if st.load != load:  # charged outside the heap: push it again at its true load
+                st.ticket = ticket = next_ticket()
+                heapreplace(heap, (st.load, ticket, st))
+                continue
+            if limit is not None and load >= limit:
+                return None
+            st.load = load + 1
+            st.ticket = ticket = next_ticket()
+            heapreplace(heap, (load + 1, ticket, st))
+            return st
+        return None
 
     def pop_many(self, group: int | None, limit: int | None, count: int) -> list[WorkerState[W]]:
         """Charge `count` requests one by one to the least-loaded members of `group`; stops early

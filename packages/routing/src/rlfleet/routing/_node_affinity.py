@@ -205,7 +205,11 @@ class NodeAffinityRouter(Router[W]):
         assert st is not None
         node: _Node = st.slot
         with node.lock:  # only this worker's node: releases on other nodes never wait
-            self._count_down(worker, st)
+            if st.selectable and st.load > 0:  # the usual case of `_count_down`, inlined
+                st.load -= 1
+                node.heap.reindex(st)
+            else:
+                self._count_down(worker, st)
             node.total -= 1
         if self._wait.count:
             self._wait.wake()
@@ -238,7 +242,10 @@ class NodeAffinityRouter(Router[W]):
         return None if key is None else self._resolve(key)
 
     def _try_select(self, key: Any) -> W | None:
-        st = self._choose(key, self._pick_in)  # each step takes the one node lock it needs
+        # One version served (the usual case): no preference to apply. Each step of `_choose`
+        # takes the one node lock it needs.
+        order = self._groups.order
+        st = self._pick_in(key, order[0], self._cap) if len(order) == 1 else self._choose(key, self._pick_in)
         return None if st is None else st.key
 
     def _try_assign(self, keys: list[Any]) -> list[W] | None:
