@@ -5,9 +5,11 @@ threads and asyncio alike (the loop keeps running)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Hashable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -204,3 +206,12 @@ def test_create_router_takes_max_staleness() -> None:
     na.set_latest_version(1)
     na.set_version("b", 1)
     assert na.select("env-0") == "b"
+
+
+def test_the_readme_snippet_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "packages" / "routing" / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    (snippet,) = [b for b in blocks if "max_staleness=1" in b]
+    exec(compile(snippet, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "2 stale (more than max_staleness=1 version(s) behind the latest version 2)" in printed

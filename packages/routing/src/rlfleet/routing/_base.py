@@ -204,7 +204,11 @@ class Router(Membership[W]):
         lock.acquire()
         try:
             st = self._states.get(worker)
-            self._count_down(worker, st)
+            if st is not None and st.selectable and st.load > 0:  # `_count_down`'s usual case, inlined
+                st.load -= 1
+                self._on_release(st)
+            else:
+                self._count_down(worker, st)
             self._total -= 1
         finally:
             lock.release()

@@ -65,7 +65,7 @@ class LoadHeap(Generic[W]):
     def pop_min(self, group: int | None, limit: int | None) -> WorkerState[W] | None:
         """Charge one request to the least-loaded member of `group` (None: none under `limit`)."""
         heap = None if group is None else self.heaps.get(group)
-        while heap:  # `_live_top` then `_charge`, inlined: this is every heap router's hot path
+        while heap:  # `_live_top` and the charge, inlined: every heap router's hot path
             load, ticket, st = heap[0]
             if st.ticket != ticket:
                 heappop(heap)  # stale entry
@@ -85,13 +85,13 @@ class LoadHeap(Generic[W]):
     def pop_many(self, group: int | None, limit: int | None, count: int) -> list[WorkerState[W]]:
         """Charge `count` requests one by one to the least-loaded members of `group`; stops early
         (a shorter list) when every member is at `limit`."""
-        heap = None if group is None else self.heaps.get(group)
         out: list[WorkerState[W]] = []
-        while heap is not None and len(out) < count:
-            top = _live_top(heap)
-            if top is None or (limit is not None and top[0] >= limit):
+        pop, keep = self.pop_min, out.append
+        for _ in range(count):
+            st = pop(group, limit)
+            if st is None:
                 break
-            out.append(_charge(heap, top))
+            keep(st)
         return out
 
     def peek_min(self, group: int) -> tuple[int, int] | None:
@@ -124,18 +124,6 @@ def _live_top(heap: list[tuple[int, int, WorkerState[W]]]) -> tuple[int, int, Wo
         else:
             heappop(heap)
     return None  # only for an empty group
-
-
-Entry = tuple[int, int, WorkerState[W]]  # (load, ticket, worker) in a LoadHeap
-
-
-def _charge(heap: list[Entry[W]], top: Entry[W]) -> WorkerState[W]:
-    """One more request on the worker of `top`, the heap's live minimum."""
-    load, _, st = top
-    st.load = load + 1
-    st.ticket = ticket = next_ticket()
-    heapreplace(heap, (load + 1, ticket, st))
-    return st
 
 
 def _index_of(st: WorkerState[W]) -> int:
