@@ -268,3 +268,63 @@ def rolling_update_moves(
         router.release(flying.popleft())
     n = len(home)
     return Moves(unforced=len(unforced) / n, forced=len(unforced | forced) / n)
+
+
+@dataclass
+class Staleness:
+    """Requests routed during rolling updates and how many went to a worker over one version behind."""
+
+    requests: int
+    over: int  # routed to a worker more than one version behind the latest committed version
+    max_behind: int  # the most versions behind any routed request was
+
+
+def staleness_run(
+    max_staleness: int | None,
+    prefer: bool | str = True,
+    *,
+    workers: int,
+    versions: int,
+    window: int,
+    gap: int,
+    seed: int = 0,
+) -> Staleness:
+    """Rolling updates to versions 1..`versions` while requests keep coming (a FIFO window of
+    `window` in flight, `gap` requests between two workers' swaps). The trainer announces each
+    version (`set_latest_version`) before the first worker swaps; the last worker is slow: it
+    swaps only every third version. Counts, not timings."""
+    names = list(range(workers))
+    router = LeastLoadRouter(names, max_staleness=max_staleness, prefer_newest_version=prefer)  # type: ignore[arg-type]
+    rng = random.Random(seed)
+    slow = names[-1]
+    flying: deque[int] = deque()
+    requests = over = max_behind = 0
+
+    def step() -> None:
+        nonlocal requests, over, max_behind
+        if len(flying) >= window or (flying and rng.random() < 0.5):
+            router.release(flying.popleft())
+        worker = router.select()
+        behind = (router.latest_version or 0) - router.version(worker)
+        requests += 1
+        over += behind > 1
+        max_behind = max(max_behind, behind)
+        flying.append(worker)
+
+    for _ in range(window * 4):
+        step()
+    for version in range(1, versions + 1):
+        router.set_latest_version(version)
+        for worker in names:
+            if worker == slow and version % 3:
+                continue
+            router.set_draining(worker, True)
+            while router.loads[worker]:  # the drain: in-flight requests finish as new ones arrive
+                step()
+            router.set_version(worker, version)
+            router.set_draining(worker, False)
+            for _ in range(gap):
+                step()
+    while flying:
+        router.release(flying.popleft())
+    return Staleness(requests, over, max_behind)

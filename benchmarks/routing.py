@@ -87,6 +87,17 @@ def _layout(n: int) -> tuple[dict[int, int], dict[int, list[int]]]:
     return env_to_node, node_policies
 
 
+def _key_to_node(n: int) -> Callable[[Hashable], Hashable | None]:
+    """The seed's affinity: parse the env index from "env-<i>", look its node up."""
+    env_to_node, _ = _layout(n)
+
+    def key_to_node(key: Hashable) -> Hashable | None:
+        idx = parse_env_index(key)
+        return None if idx is None else env_to_node.get(idx)
+
+    return key_to_node
+
+
 def make_router(name: str, n: int) -> Router[int]:
     workers = range(n)
     if name == "least_load":
@@ -98,14 +109,8 @@ def make_router(name: str, n: int) -> Router[int]:
     if name == "consistent_hash":
         return ConsistentHashRouter(workers)
     if name == "node_affinity":
-        env_to_node, _ = _layout(n)
-
-        def key_to_node(key: Hashable) -> Hashable | None:
-            idx = parse_env_index(key)
-            return None if idx is None else env_to_node.get(idx)
-
         return NodeAffinityRouter(
-            workers, key_to_node=key_to_node, worker_nodes=lambda w: w // WORKERS_PER_NODE
+            workers, key_to_node=_key_to_node(n), worker_nodes=lambda w: w // WORKERS_PER_NODE
         )
     raise ValueError(name)
 
@@ -326,6 +331,81 @@ def throughput(
     return rates, ratios
 
 
+def _keeping(select: Callable[[Any], int], into: list[int]) -> Callable[[Any], None]:
+    """`select`, keeping what it returns in `into` (to release later)."""
+    keep = into.append
+
+    def route(key: Any) -> None:
+        keep(select(key))
+
+    return route
+
+
+def node_affinity_split(ops: int, repeats: int, n: int = 1024) -> dict[str, float]:
+    """CPU microseconds per request, single thread, best of `repeats`: the seed's whole decision,
+    ours split into select and release, and the key -> node parse both of them do."""
+    env_to_node, node_policies = _layout(n)
+    seed = SeedSyncNodeAffinityRouter(n, env_to_node, node_policies)
+    ours = make_router("node_affinity", n)
+    parse = _key_to_node(n)
+    keys = [KEYS[i % len(KEYS)] for i in range(ops)]
+
+    def timed(fn: Callable[[Any], Any], items: Sequence[Any]) -> float:
+        t0 = time.thread_time()
+        for item in items:
+            fn(item)
+        return (time.thread_time() - t0) / len(items) * 1e6
+
+    out: dict[str, list[float]] = {"seed": [], "parse": [], "select": [], "release": []}
+    for _ in range(repeats):
+        out["seed"].append(timed(seed.select_policy, keys))
+        out["parse"].append(timed(parse, keys))
+        held: list[int] = []
+        out["select"].append(timed(_keeping(ours.select, held), keys))
+        out["release"].append(timed(ours.release, held))
+    assert ours.in_flight == 0
+    best = {k: min(v) for k, v in out.items()}
+    print(
+        f"\nnode affinity, {n} workers, CPU us per request (best of {repeats}): the seed's decision "
+        f"{best['seed']:.2f} (parse, node lock, round-robin counter; nothing to release) | ours: "
+        f"select {best['select']:.2f} (the same parse and node lock, then the least-loaded worker "
+        f"of the node from a heap, skipping draining and stale workers) + release "
+        f"{best['release']:.2f} (node lock, in-flight count down, heap push) | the parse alone "
+        f"{best['parse']:.2f}, in both. The seed is load-blind and keeps no counts: that extra "
+        "work is the gap."
+    )
+    return best
+
+
+def staleness(seeds: int) -> dict[str, float]:
+    """Requests routed to a worker more than one version behind the latest committed version,
+    during rolling updates with a slow worker: with `max_staleness=1`, and without a bound under
+    the default version preference and with versions ignored."""
+    setup = {"workers": 8, "versions": 6, "window": 64, "gap": 32}
+    configs: dict[str, tuple[int | None, bool | str]] = {
+        "max_staleness=1": (1, True),
+        "unbounded": (None, True),
+        "unbounded, prefer_newest_version=False": (None, False),
+    }
+    out = {}
+    for label, (bound, prefer) in configs.items():
+        runs = [sim.staleness_run(bound, prefer, seed=s, **setup) for s in range(seeds)]
+        out[label] = sim.Staleness(
+            requests=sum(r.requests for r in runs),
+            over=sum(r.over for r in runs),
+            max_behind=max(r.max_behind for r in runs),
+        )
+    print(f"\nrolling updates with a slow worker (it swaps every 3rd version), {setup}, {seeds} seed(s):")
+    for label, st in out.items():
+        print(
+            f"  {label:<40} requests over 1 version behind: {st.over} of {st.requests} "
+            f"({st.over / st.requests:.3f}), most behind {st.max_behind}"
+        )
+    return {label: st.over / st.requests for label, st in out.items()} | {
+        "bounded_over": out["max_staleness=1"].over
+    }
+
+
 def tie_spread(ops: int) -> float:
     """Requests to the most over the least served of 8 equal workers under least-load."""
     r = LeastLoadRouter(range(8))
@@ -417,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     rates, ratios = throughput(ops, repeats)
     hits = prefix_hits(2_000 if args.quick else 20_000)
     moves = session_moves(1 if args.quick else 5)
+    stale = staleness(1 if args.quick else 5)
+    split = node_affinity_split(ops, repeats)
     async_us, sync_us = async_overhead_us(ops, repeats)
     print(f"\nasyncio: `async with router.request()` {async_us:.2f} us, select + release {sync_us:.2f} us")
     spread = tie_spread(ops)
@@ -433,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "prefix_aware_1024_decisions_per_s": claim(rates[("prefix_aware", 1024, 1)], 50_000, "decisions/s"),
         "least_load_vs_seed_sync_simple_1024_ratio": claim(ratios[("sync_simple", 1024, 1)], 1.0, "x"),
+        # The seed's node affinity is load-blind round-robin with nothing to release; ours keeps
+        # in-flight counts and picks the least-loaded worker of the node (see the split above).
+        "node_affinity_vs_seed_node_affinity_1024_ratio": claim(
+            ratios[("sync_node_affinity", 1024, 1)], None, "x"
+        ),
+        "node_affinity_release_share": claim(
+            split["release"] / (split["select"] + split["release"]), None, "of our decision"
+        ),
         # The seed's loads come from one Ray RPC per worker per batch; the baseline here reads
         # them locally, so this is a floor on what live, thread-safe counts cost per decision.
         "least_load_assign_vs_seed_async_1024_ratio": claim(ratios[("async", 1024, 1)], 0.4, "x"),
@@ -448,6 +538,13 @@ def main(argv: list[str] | None = None) -> int:
         "rolling_update_session_moves_with_drains": claim(moves["sticky_with_drains"], None, "sessions"),
         "rolling_update_session_moves_strict": claim(moves["strict"], None, "sessions"),
         "session_moves_without_update": claim(moves["baseline"], None, "sessions"),
+        "rolling_update_requests_over_max_staleness": claim(
+            stale["bounded_over"], 0, "requests", higher_is_better=False
+        ),
+        "rolling_update_requests_over_1_behind_unbounded": claim(stale["unbounded"], None, "of requests"),
+        "rolling_update_requests_over_1_behind_versions_ignored": claim(
+            stale["unbounded, prefer_newest_version=False"], None, "of requests"
+        ),
         "async_select_overhead_us": claim(async_us - sync_us, None, "us/request"),
         "least_load_tie_most_over_least_served": claim(spread, None, "x"),
     }

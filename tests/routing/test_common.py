@@ -445,3 +445,23 @@ def test_drain_that_times_out_leaves_its_workers_selectable(make_router: MakeRou
         r.drain(["a", "b"], timeout=0.05)
     assert [r.is_draining(w) for w in ("a", "b")] == [False, False]
     r.release(held)
+
+
+def test_a_drain_that_times_out_restores_each_workers_previous_draining_state(
+    make_router: MakeRouter,
+) -> None:
+    """Issue 25 #6: a worker draining before the drain (a joining worker still at its initial
+    weights) stays draining when the drain times out; only those the drain set go back."""
+    r = make_router(["a", "b", "joining"])
+    r.set_draining("joining", True)
+    busy = r.select("env-0")
+    with pytest.raises(DrainTimeoutError, match="still in flight"):
+        r.drain(["a", "b", busy, "joining"], timeout=0.05)  # `busy` named twice
+    assert {w: r.is_draining(w) for w in ("a", "b", "joining")} == {"a": False, "b": False, "joining": True}
+    for key in KEYS * 10:
+        w = r.select(key)
+        assert w != "joining"
+        r.release(w)
+    r.release(busy)
+    r.drain(["a", "joining"], timeout=5)  # a drain that succeeds leaves all of them draining
+    assert [r.is_draining(w) for w in ("a", "joining")] == [True, True]

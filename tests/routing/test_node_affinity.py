@@ -163,3 +163,64 @@ def test_a_busy_node_does_not_block_another_node() -> None:
         t.join(10)
         assert not t.is_alive()
     assert got == ["b0"]
+
+
+def _rolling(**options: Any) -> NodeAffinityRouter[str]:
+    """Issue 25 #7's cluster: 4 workers on 2 nodes in the middle of a rolling update to version 1
+    (c done, b draining for its swap, a and d still at version 0)."""
+    r = NodeAffinityRouter(
+        ["a", "b", "c", "d"],
+        key_to_node=lambda key: "n0" if str(key).startswith("n0") else "n1",
+        worker_nodes={"a": "n0", "b": "n0", "c": "n1", "d": "n1"},
+        **options,
+    )
+    r.set_draining("c", True)
+    r.set_version("c", 1)
+    r.set_draining("c", False)
+    r.set_draining("b", True)
+    return r
+
+
+def test_a_key_stays_on_its_node_through_a_rolling_update() -> None:
+    """Issue 25 #7: with a local, recent worker able to take it, a key never leaves its node
+    (before the fix, n0's keys went to n1 once `a` passed the load bound: half of them)."""
+    r = _rolling()
+    held = [r.select(f"n0-{i}") for i in range(40)]  # all in flight: loads pile up on `a`
+    assert set(held) == {"a"}
+    n1 = [r.select(f"n1-{i}") for i in range(40)]
+    assert set(n1) == {"c", "d"}  # n1: newest first up to the bound, then its older worker
+    assert r.loads["c"] <= r.bound(0)
+    assert r.loads["d"] > 0
+    for w in held + n1:
+        r.release(w)
+
+
+def test_a_key_leaves_its_node_only_when_no_local_recent_worker_can_take_it() -> None:
+    r = _rolling(max_in_flight=3)
+    assert [r.select("n0-x") for _ in range(3)] == ["a", "a", "a"]
+    assert r.select("n0-x") in {"c", "d"}  # `a` at max_in_flight: anywhere
+    r = _rolling(version_lag=0)  # version 0 is not recent any more: only c is
+    assert r.select("n0-x") == "c"
+    r = _rolling(prefer_newest_version="strict")
+    assert r.select("n0-x") == "c"  # "strict": the newest version first, wherever it runs
+
+
+def test_the_rolling_update_stays_on_node_from_many_threads() -> None:
+    r = _rolling()
+    off_node: list[str] = []
+
+    def client(t: int) -> None:
+        for i in range(300):
+            w = r.select(f"n0-{t}-{i}", timeout=10)
+            if w != "a":
+                off_node.append(w)
+            if i % 3:
+                r.release(w)
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert off_node == []

@@ -12,7 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.routing import NoWorkerAvailableError, PrefixAwareRouter
+from rlfleet.routing import (
+    PREFIX_CACHE_ON_NEW_VERSION,
+    NoWorkerAvailableError,
+    PrefixAwareRouter,
+    create_router,
+)
 from rlfleet.routing._prefix_tree import Block
 
 SYSTEM = "You are a helpful assistant. " * 10  # 290 characters: 2 blocks of 128
@@ -112,6 +117,40 @@ def test_a_new_version_or_leaving_forgets_the_workers_cache() -> None:
     r.remove_worker(holder)
     assert r.tree_blocks == 0
     assert turn(r, prompt) == ({"a", "b"} - {holder}).pop()
+
+
+def test_keep_holds_a_workers_cached_prefixes_across_versions() -> None:
+    """Issue 28 #5: on_new_version="keep" (an engine that keeps its KV cache across weights)."""
+    prompts = [SYSTEM + words(20 + i, 600) for i in range(12)]
+    moved = {}
+    for policy in ("forget", "keep"):
+        r = PrefixAwareRouter(["a", "b", "c"], on_new_version=policy, prefer_newest_version=False)  # type: ignore[arg-type]
+        assert r.on_new_version == policy
+        home = {p: turn(r, p) for p in prompts}
+        cached = r.cached_blocks
+        for w in ("a", "b", "c"):  # a rolling update: every worker serves version 1
+            r.set_draining(w, True)
+            r.set_version(w, 1)
+            r.set_draining(w, False)
+        if policy == "keep":
+            assert r.cached_blocks == cached
+            assert all(home[p] in r.match(p) for p in prompts)
+        else:
+            assert r.cached_blocks == {"a": 0, "b": 0, "c": 0}
+            assert r.match(prompts[0]) == {}
+        moved[policy] = sum(turn(r, p + words(99, 50)) != home[p] for p in prompts)
+    assert moved["keep"] == 0  # every session found its cache again
+    assert PrefixAwareRouter().on_new_version == "forget"  # the default stays today's behaviour
+
+
+def test_on_new_version_is_checked_and_reaches_create_router() -> None:
+    for bad in ("drop", None, True):
+        with pytest.raises(ValueError, match=r"on_new_version must be one of 'forget', 'keep', got"):
+            PrefixAwareRouter(on_new_version=bad)  # type: ignore[arg-type]
+    r = create_router("async", "prefix_aware", ["a"], on_new_version="keep")
+    assert isinstance(r, PrefixAwareRouter)
+    assert r.on_new_version == "keep"
+    assert PREFIX_CACHE_ON_NEW_VERSION == ("forget", "keep")
 
 
 def test_strict_versions_ignore_old_holders_and_sticky_ones_keep_them() -> None:

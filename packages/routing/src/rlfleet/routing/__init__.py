@@ -28,12 +28,13 @@ from rlfleet.routing._node_affinity import (
     worker_nodes_from_distribution,
 )
 from rlfleet.routing._power_of_two import PowerOfTwoRouter
-from rlfleet.routing._prefix_aware import PrefixAwareRouter
+from rlfleet.routing._prefix_aware import PREFIX_CACHE_ON_NEW_VERSION, PrefixAwareRouter
 from rlfleet.routing._request import Request
 from rlfleet.routing._round_robin import RoundRobinRouter
 from rlfleet.routing._worker import Loads, RouterOptions, VersionPreference
 
 __all__ = [
+    "PREFIX_CACHE_ON_NEW_VERSION",
     "ROLLOUT_MODES",
     "ROUTER_TYPES",
     "ConsistentHashRouter",

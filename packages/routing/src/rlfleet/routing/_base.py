@@ -1,9 +1,10 @@
-"""The router base class: worker bookkeeping, draining, versions, waiting (threads and asyncio).
+"""The router base class: selecting, releasing, the version preference, waiting (threads and
+asyncio). Who may be selected (membership, draining, versions, staleness) is `_membership`.
 
 A subclass only decides *which* worker of a candidate group takes a request (`_pick_in`) and
 keeps its own index of candidates in step through the `_index_add` / `_index_remove` /
 `_on_release` hooks. Everything else (in-flight counts, draining, the version preference,
-timeouts, errors) lives here so every router behaves the same way at its edges.
+staleness, timeouts, errors) lives here so every router behaves the same way at its edges.
 """
 
 from __future__ import annotations
@@ -12,18 +13,12 @@ import abc
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
 from typing import Any, cast
 
 from typing_extensions import Unpack
 
-from rlfleet.routing._draining import Draining
-from rlfleet.routing._errors import (
-    DuplicateWorkerError,
-    NotInFlightError,
-    NoWorkerAvailableError,
-    UnknownWorkerError,
-)
+from rlfleet.routing._errors import NotInFlightError, NoWorkerAvailableError, UnknownWorkerError
+from rlfleet.routing._membership import Membership
 from rlfleet.routing._request import Request
 from rlfleet.routing._versions import VersionGroups
 from rlfleet.routing._waiting import Waiters
@@ -33,15 +28,17 @@ from rlfleet.routing._worker import (
     RouterOptions,
     VersionPreference,
     W,
-    _Worker,
-    check_version,
+    WorkerState,
+    check_many,
     deadline,
+    public_router,
 )
 
-PickIn = Callable[[Any, int | None, int | None], _Worker[W] | None]
+PickIn = Callable[[Any, int | None, int | None], WorkerState[W] | None]
 
 
-class Router(Draining[W]):
+@public_router
+class Router(Membership[W]):
     """Routes requests to workers (opaque hashable keys) and counts requests in flight.
 
     `select` picks a worker and counts the request as in flight until `release` (or use
@@ -60,16 +57,23 @@ class Router(Draining[W]):
     - False: versions are ignored.
     Older workers (further behind, or every older one with "strict") take requests only when
     no newer one can (all at `max_in_flight`): a full newest version never pauses requests.
+
+    `max_staleness` bounds what the preference may fall back to: a worker more than that many
+    versions behind the latest committed version (`set_latest_version(v)`, announced by the
+    trainer before any worker swaps, or the newest version any worker serves) takes no request
+    at all; with none eligible, `select(timeout=...)` waits for one to catch up.
     """
 
     _sticky = False  # keyed requests keep their own worker whatever its (recent) version
 
     def __init__(self, workers: Iterable[W] = (), **options: Unpack[RouterOptions]) -> None:
+        check_many(workers, type(self).__name__, "workers")
         opts = Options(options)
         self._prefer, self._cap, self._c, self._lag = opts.prefer, opts.cap, opts.factor, opts.lag
+        self._staleness, self._latest = opts.staleness, None
         self._lock = threading.Lock()  # membership; also guards loads in single-lock routers
         self._wait = Waiters()
-        self._states: dict[W, _Worker[W]] = {}
+        self._states: dict[W, WorkerState[W]] = {}
         self._next_index = 0
         self._total = 0
         self._groups = VersionGroups(bool(self._prefer), self._lag)
@@ -78,37 +82,16 @@ class Router(Draining[W]):
 
     # ------------------------------------------------------------------ subclass hooks
     @abc.abstractmethod
-    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
+    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> WorkerState[W] | None:
         """Choose a worker of `group` (None: any recent group, the key's own worker) holding fewer than
         `limit` requests, add one to its load and return it; None if there is none."""
 
-    @abc.abstractmethod
-    def _index_add(self, st: _Worker[W]) -> None:
-        """`st` became selectable (its `group` is set)."""
-
-    @abc.abstractmethod
-    def _index_remove(self, st: _Worker[W]) -> None:
-        """`st` stops being selectable (`group` still holds the old value)."""
-
-    def _on_release(self, st: _Worker[W]) -> None:
+    def _on_release(self, st: WorkerState[W]) -> None:
         """`st.load` just went down by one and `st` is selectable."""
-
-    def _member_add(self, st: _Worker[W]) -> None:
-        """`st` joined the router (draining or not)."""
-
-    def _member_remove(self, st: _Worker[W]) -> None:
-        """`st` left the router."""
-
-    def _version_changed(self, st: _Worker[W]) -> None:
-        """`st` serves a new weight version (its caches are gone)."""
 
     def _prepare(self, key: Any) -> Any:
         """The key as `_pick_in` wants it, computed once per request outside the lock."""
         return key
-
-    def _exclusive(self) -> AbstractContextManager[Any]:
-        """Lock(s) that freeze every worker's state: structural changes and snapshots."""
-        return self._lock
 
     def _in_flight_now(self) -> int:
         return self._total
@@ -120,7 +103,7 @@ class Router(Draining[W]):
         n = self._groups.size(group)
         return math.ceil(self._c * (self._in_flight_now() + extra) / n) if n else 0
 
-    def _choose(self, key: Any, pick_in: PickIn[W]) -> _Worker[W] | None:
+    def _choose(self, key: Any, pick_in: PickIn[W]) -> WorkerState[W] | None:
         """Apply `prefer_newest_version` over the candidate groups with `pick_in`."""
         order = self._groups.order
         cap = self._cap
@@ -221,14 +204,18 @@ class Router(Draining[W]):
         lock.acquire()
         try:
             st = self._states.get(worker)
-            self._count_down(worker, st)
+            if st is not None and st.selectable and st.load > 0:  # `_count_down`'s usual case, inlined
+                st.load -= 1
+                self._on_release(st)
+            else:
+                self._count_down(worker, st)
             self._total -= 1
         finally:
             lock.release()
         if self._wait.count:
             self._wait.wake()
 
-    def _count_down(self, worker: W, st: _Worker[W] | None) -> None:
+    def _count_down(self, worker: W, st: WorkerState[W] | None) -> None:
         """One request fewer on `worker` (state `st`), under the lock guarding its load."""
         if st is None:
             raise UnknownWorkerError(f"release({worker!r}): worker is not known to this router")
@@ -248,6 +235,8 @@ class Router(Draining[W]):
         """
         if isinstance(keys, bool):
             raise TypeError("assign: keys must be an iterable of keys or a number of requests, got a bool")
+        if not isinstance(keys, int):
+            check_many(keys, "assign", "keys")  # a str would be one request per character
         if isinstance(keys, int):
             if keys < 0:
                 raise ValueError(f"assign: number of requests must be >= 0, got {keys}")
@@ -282,9 +271,9 @@ class Router(Draining[W]):
                 self._on_release(st)
             return None
 
-    def _pick_batch(self, keys: list[Any]) -> list[_Worker[W]]:
+    def _pick_batch(self, keys: list[Any]) -> list[WorkerState[W]]:
         """A worker for each key in turn, under the lock; stops at the first that does not fit."""
-        picked: list[_Worker[W]] = []
+        picked: list[WorkerState[W]] = []
         for key in keys:
             st = self._choose(key, self._pick_in)
             if st is None:
@@ -292,113 +281,13 @@ class Router(Draining[W]):
             picked.append(st)
         return picked
 
-    # ------------------------------------------------------------------ membership
-    def _get(self, worker: W, what: str) -> _Worker[W]:
-        st = self._states.get(worker)
-        if st is None or not st.active:
-            raise UnknownWorkerError(f"{what}({worker!r}): worker is not known to this router")
-        return st
-
-    def _make_selectable(self, st: _Worker[W]) -> None:
-        st.group = self._groups.join(st.version)
-        st.selectable = True
-        self._index_add(st)
-
-    def _make_unselectable(self, st: _Worker[W]) -> None:
-        self._index_remove(st)
-        st.selectable = False
-        self._groups.leave(st.group)
-
-    def add_worker(self, worker: W, *, node: Any = None, version: int = 0) -> None:
-        """Add a worker (selectable at once) on `node` at weight `version`."""
-        version = check_version(version)
-        with self._exclusive():
-            old = self._states.get(worker)
-            if old is not None:
-                raise DuplicateWorkerError(
-                    f"add_worker({worker!r}): worker is already in this router"
-                    if old.active
-                    else f"add_worker({worker!r}): worker was removed but still has {old.load} "
-                    "request(s) in flight; release them (wait_drained) before adding it again"
-                )
-            st = _Worker(worker, self._next_index, node, version)
-            self._next_index += 1
-            self._member_add(st)
-            self._states[worker] = st
-            self._make_selectable(st)
-            self._groups.refresh()
-        self._wait.wake()
-
-    def remove_worker(self, worker: W) -> None:
-        """Stop routing to `worker`. Requests still in flight on it can still be released."""
-        with self._exclusive():
-            st = self._get(worker, "remove_worker")
-            if st.selectable:
-                self._make_unselectable(st)
-            self._member_remove(st)
-            st.active = False
-            if st.load == 0:
-                del self._states[worker]
-            self._groups.refresh()
-        self._wait.wake()  # the newest version may have gone: older workers may be candidates now
-
-    def set_draining(self, worker: W, flag: bool = True) -> None:
-        """A draining worker is never selected; releases on it still count down."""
-        with self._exclusive():
-            st = self._get(worker, "set_draining")
-            flag = bool(flag)
-            if st.draining != flag:
-                st.draining = flag
-                if flag:
-                    self._make_unselectable(st)
-                else:
-                    self._make_selectable(st)
-                self._groups.refresh()
-        self._wait.wake()
-
-    def set_version(self, worker: W, version: int) -> None:
-        """Record the weight version `worker` now serves."""
-        version = check_version(version)
-        with self._exclusive():
-            st = self._get(worker, "set_version")
-            if st.version != version:
-                selectable = st.selectable
-                if selectable:
-                    self._make_unselectable(st)
-                st.version = version
-                self._version_changed(st)
-                if selectable:
-                    self._make_selectable(st)
-                self._groups.refresh()
-        self._wait.wake()
-
     # ------------------------------------------------------------------ inspection
-    def version(self, worker: W) -> int:
-        """The weight version `worker` serves."""
-        with self._lock:
-            return self._get(worker, "version").version
-
-    def is_draining(self, worker: W) -> bool:
-        with self._lock:
-            return self._get(worker, "is_draining").draining
-
-    def node(self, worker: W) -> Any:
-        """The node `worker` was added on (None if not given)."""
-        with self._lock:
-            return self._get(worker, "node").node
-
     def bound(self, extra: int = 1) -> int:
         """Most requests one worker may hold by preference (a sticky key, the newest version)
         after `extra` more are placed: `ceil(load_factor * (in_flight + extra) / candidates)`."""
         with self._exclusive():
             order = self._groups.order
             return self._bound(order[0] if self._prefer == "strict" and order else None, extra)
-
-    @property
-    def workers(self) -> list[W]:
-        """Workers routed to (draining ones included), in insertion order."""
-        with self._exclusive():
-            return [w for w, st in self._states.items() if st.active]
 
     @property
     def in_flight(self) -> int:
@@ -411,6 +300,12 @@ class Router(Draining[W]):
         """Requests in flight per worker (removed ones still counting down included)."""
         with self._exclusive():
             return Loads({w: st.load for w, st in self._states.items()})
+
+    @property
+    def waiting(self) -> int:
+        """Callers waiting on this router now: selects with a timeout (no worker could take them)
+        and drains. A queue that grows says every worker is busy, draining or stale."""
+        return self._wait.count
 
     @property
     def prefer_newest_version(self) -> VersionPreference:
@@ -443,17 +338,3 @@ class Router(Draining[W]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(workers={len(self)}, in_flight={self.in_flight})"
-
-    def _why_none(self) -> str:
-        with self._exclusive():
-            active = [st for st in self._states.values() if st.active]
-            if not active:
-                return "the router has no workers"
-            draining = sum(1 for st in active if st.draining)
-            parts = [f"{len(active)} worker(s)", f"{draining} draining"]
-            if self._cap is not None:
-                full = sum(1 for st in active if not st.draining and st.load >= self._cap)
-                parts.append(f"{full} at max_in_flight={self._cap}")
-            if self._prefer and self._groups.order:
-                parts.append(f"versions {', '.join(map(str, self._groups.order))}")
-            return ", ".join(parts)

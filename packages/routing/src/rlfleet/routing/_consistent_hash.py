@@ -11,9 +11,11 @@ from typing import Any
 from typing_extensions import Unpack
 
 from rlfleet.routing._index import PoolRouter, least_loaded
-from rlfleet.routing._worker import RouterOptions, W, _Worker, next_ticket
+from rlfleet.routing._public import public
+from rlfleet.routing._worker import RouterOptions, W, WorkerState, next_ticket, public_router
 
 
+@public
 def stable_hash(data: str) -> int:
     """64-bit hash that is the same in every process (Python's `hash()` is salted per process)."""
     return int.from_bytes(hashlib.blake2b(data.encode("utf-8"), digest_size=8).digest(), "big")
@@ -23,6 +25,7 @@ def stable_hash(data: str) -> int:
 _key_hash = functools.lru_cache(maxsize=1 << 16)(stable_hash)
 
 
+@public_router
 class ConsistentHashRouter(PoolRouter[W]):
     """Sticky routing by key (session / env id) on a hash ring with virtual nodes.
 
@@ -37,6 +40,10 @@ class ConsistentHashRouter(PoolRouter[W]):
 
     Keys are hashed as `str(key)`, workers as `worker_id(worker)` (default `str`) with
     blake2b, so the ring is the same in every process given the same worker ids.
+
+    Options of this router (keywords):
+    - vnodes=100: points per worker on the ring (more: smoother shares, a slower ring rebuild).
+    - worker_id=str: a worker's name on the ring; give the same ids in every process.
     """
 
     _sticky = True
@@ -53,18 +60,18 @@ class ConsistentHashRouter(PoolRouter[W]):
             raise ValueError(f"vnodes must be a positive int, got {vnodes!r}")
         self._vnodes = vnodes
         self._worker_id = worker_id
-        self._ring: list[tuple[int, int, _Worker[W]]] = []  # (hash, worker index, worker)
+        self._ring: list[tuple[int, int, WorkerState[W]]] = []  # (hash, worker index, worker)
         self._ring_hashes: list[int] = []
-        self._ring_workers: list[_Worker[W]] = []
+        self._ring_workers: list[WorkerState[W]] = []
         self._dirty = False
         super().__init__(workers, **options)
 
-    def _member_add(self, st: _Worker[W]) -> None:
+    def _member_add(self, st: WorkerState[W]) -> None:
         wid = self._worker_id(st.key)
         self._ring.extend((stable_hash(f"{wid}#{v}"), st.index, st) for v in range(self._vnodes))
         self._dirty = True
 
-    def _member_remove(self, st: _Worker[W]) -> None:
+    def _member_remove(self, st: WorkerState[W]) -> None:
         self._ring = [e for e in self._ring if e[2] is not st]  # stays sorted
         self._dirty = True
 
@@ -74,7 +81,7 @@ class ConsistentHashRouter(PoolRouter[W]):
         self._ring_workers = [e[2] for e in self._ring]
         self._dirty = False
 
-    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
+    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> WorkerState[W] | None:
         if key is None:
             st = least_loaded(self._members(group), limit)
         else:
@@ -85,7 +92,7 @@ class ConsistentHashRouter(PoolRouter[W]):
             st.picked = next_ticket()
         return st
 
-    def _walk(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
+    def _walk(self, key: Any, group: int | None, limit: int | None) -> WorkerState[W] | None:
         """First worker of `group` (None: any recent one) clockwise from `key` under `limit`."""
         if self._dirty:
             self._rebuild()

@@ -11,18 +11,18 @@ from typing import Generic
 
 from rlfleet.routing._errors import DrainTimeoutError, UnknownWorkerError
 from rlfleet.routing._waiting import Waiters
-from rlfleet.routing._worker import W, _Worker, deadline
+from rlfleet.routing._worker import W, WorkerState, deadline
 
 
 class Draining(Generic[W], abc.ABC):
     """`wait_drained`, `drain`, `undrain` over a router's worker states (`Router` inherits it)."""
 
-    _states: dict[W, _Worker[W]]
+    _states: dict[W, WorkerState[W]]
     _wait: Waiters
 
     @abc.abstractmethod
-    def set_draining(self, worker: W, flag: bool = True) -> None:
-        """A draining worker is never selected (the router's bookkeeping)."""
+    def _set_draining(self, worker: W, flag: bool) -> bool:
+        """Set `worker` draining or not (the router's bookkeeping); whether it was draining before."""
 
     def _drain_wait(self, worker: W, timeout: float, what: str) -> tuple[Callable[[], bool | None], float]:
         st = self._states.get(worker)
@@ -53,27 +53,32 @@ class Draining(Generic[W], abc.ABC):
         `timeout` (a rolling update's drain of one worker or of a group swapping together).
 
         Workers no longer routed to (removed meanwhile) are skipped. If they do not drain in
-        time they are selectable again and `DrainTimeoutError` is raised.
+        time `DrainTimeoutError` is raised and each worker is as it was before the call: those
+        this drain set draining are selectable again, those already draining (a joining worker
+        still at its initial weights, one drained by another update) stay draining.
         """
         workers = list(workers)
         due = deadline(timeout, "drain")
         assert due is not None
+        was: dict[W, bool] = {}  # each worker's draining state before this call
         for worker in workers:
-            with suppress(UnknownWorkerError):
-                self.set_draining(worker, True)
+            if worker not in was:
+                with suppress(UnknownWorkerError):
+                    was[worker] = self._set_draining(worker, True)
         try:
-            for worker in workers:
+            for worker in was:
                 with suppress(UnknownWorkerError):
                     self.wait_drained(worker, max(0.0, due - time.monotonic()))
         except BaseException:
-            self.undrain(workers)  # a drain that fails must not leave them unroutable
+            # A failed drain must not leave workers unroutable, nor route to one that was not.
+            self.undrain([w for w, draining in was.items() if not draining])
             raise
 
     def undrain(self, workers: Iterable[W]) -> None:
         """Select `workers` again (those no longer routed to are skipped)."""
         for worker in workers:
             with suppress(UnknownWorkerError):
-                self.set_draining(worker, False)
+                self._set_draining(worker, False)
 
     async def wait_drained_async(self, worker: W, timeout: float) -> None:
         """`wait_drained` for asyncio: waits without blocking the event loop."""

@@ -7,11 +7,15 @@ builtins still catch the right thing.
 
 from __future__ import annotations
 
+from rlfleet.routing._public import public
 
+
+@public
 class RoutingError(RuntimeError):
     """Base class of every error raised by rlfleet.routing."""
 
 
+@public
 class NoWorkerAvailableError(RoutingError):
     """No worker can take the request (none added, all draining, all at capacity).
 
@@ -19,17 +23,21 @@ class NoWorkerAvailableError(RoutingError):
     """
 
 
+@public
 class UnknownWorkerError(RoutingError, LookupError):
     """The worker was never added to this router (or has been removed)."""
 
 
+@public
 class NotInFlightError(RoutingError, ValueError):
     """`release` on a worker that has no request in flight: counts never go negative."""
 
 
+@public
 class DuplicateWorkerError(RoutingError, ValueError):
     """`add_worker` on a worker the router already holds."""
 
 
+@public
 class DrainTimeoutError(RoutingError, TimeoutError):
     """`wait_drained` ran out of time with requests still in flight on the worker."""

@@ -11,6 +11,7 @@ from rlfleet.routing._least_load import LeastLoadRouter
 from rlfleet.routing._node_affinity import ComponentDistribution, NodeAffinityRouter
 from rlfleet.routing._power_of_two import PowerOfTwoRouter
 from rlfleet.routing._prefix_aware import PrefixAwareRouter
+from rlfleet.routing._public import public
 from rlfleet.routing._round_robin import RoundRobinRouter
 from rlfleet.routing._worker import W
 
@@ -35,6 +36,7 @@ _BY_NAME: dict[str, type[Router[Any]]] = {
 }
 
 
+@public
 def create_router(
     rollout_mode: str,
     router_type: str,

@@ -16,7 +16,7 @@ from typing import Generic
 from typing_extensions import Unpack
 
 from rlfleet.routing._base import Router
-from rlfleet.routing._worker import RouterOptions, W, _Worker, next_ticket
+from rlfleet.routing._worker import RouterOptions, W, WorkerState, next_ticket
 
 # Stale heap entries allowed beyond twice the live ones before a rebuild (amortised O(1)).
 _SLACK = 32
@@ -35,10 +35,10 @@ class LoadHeap(Generic[W]):
     __slots__ = ("heaps", "members")
 
     def __init__(self) -> None:
-        self.heaps: dict[int, list[tuple[int, int, _Worker[W]]]] = {}
-        self.members: dict[int, set[_Worker[W]]] = {}
+        self.heaps: dict[int, list[tuple[int, int, WorkerState[W]]]] = {}
+        self.members: dict[int, set[WorkerState[W]]] = {}
 
-    def add(self, st: _Worker[W]) -> None:
+    def add(self, st: WorkerState[W]) -> None:
         members = self.members.get(st.group)
         if members is None:
             members = self.members[st.group] = set()
@@ -46,7 +46,7 @@ class LoadHeap(Generic[W]):
         members.add(st)
         self.reindex(st)
 
-    def remove(self, st: _Worker[W]) -> None:
+    def remove(self, st: WorkerState[W]) -> None:
         members = self.members[st.group]
         members.discard(st)
         st.ticket = -1
@@ -54,7 +54,7 @@ class LoadHeap(Generic[W]):
             del self.members[st.group]
             del self.heaps[st.group]
 
-    def reindex(self, st: _Worker[W]) -> None:
+    def reindex(self, st: WorkerState[W]) -> None:
         """`st.load` changed (or `st` joined): give it a live entry at its load."""
         heap = self.heaps[st.group]
         st.ticket = ticket = next_ticket()
@@ -62,24 +62,36 @@ class LoadHeap(Generic[W]):
         if len(heap) > 2 * len(self.members[st.group]) + _SLACK:
             self.compact(st.group)
 
-    def pop_min(self, group: int | None, limit: int | None) -> _Worker[W] | None:
+    def pop_min(self, group: int | None, limit: int | None) -> WorkerState[W] | None:
         """Charge one request to the least-loaded member of `group` (None: none under `limit`)."""
         heap = None if group is None else self.heaps.get(group)
-        if heap is None:
-            return None
-        top = _live_top(heap)
-        return None if top is None or (limit is not None and top[0] >= limit) else _charge(heap, top)
+        while heap:  # `_live_top` and the charge, inlined: every heap router's hot path
+            load, ticket, st = heap[0]
+            if st.ticket != ticket:
+                heappop(heap)  # stale entry
+                continue
+            if st.load != load:  # charged outside the heap: push it again at its true load
+                st.ticket = ticket = next_ticket()
+                heapreplace(heap, (st.load, ticket, st))
+                continue
+            if limit is not None and load >= limit:
+                return None
+            st.load = load + 1
+            st.ticket = ticket = next_ticket()
+            heapreplace(heap, (load + 1, ticket, st))
+            return st
+        return None
 
-    def pop_many(self, group: int | None, limit: int | None, count: int) -> list[_Worker[W]]:
+    def pop_many(self, group: int | None, limit: int | None, count: int) -> list[WorkerState[W]]:
         """Charge `count` requests one by one to the least-loaded members of `group`; stops early
         (a shorter list) when every member is at `limit`."""
-        heap = None if group is None else self.heaps.get(group)
-        out: list[_Worker[W]] = []
-        while heap is not None and len(out) < count:
-            top = _live_top(heap)
-            if top is None or (limit is not None and top[0] >= limit):
+        out: list[WorkerState[W]] = []
+        pop, keep = self.pop_min, out.append
+        for _ in range(count):
+            st = pop(group, limit)
+            if st is None:
                 break
-            out.append(_charge(heap, top))
+            keep(st)
         return out
 
     def peek_min(self, group: int) -> tuple[int, int] | None:
@@ -94,7 +106,7 @@ class LoadHeap(Generic[W]):
         heapify(heap)
 
 
-def _live_top(heap: list[tuple[int, int, _Worker[W]]]) -> tuple[int, int, _Worker[W]] | None:
+def _live_top(heap: list[tuple[int, int, WorkerState[W]]]) -> tuple[int, int, WorkerState[W]] | None:
     """The heap's first live entry, dropping stale ones above it.
 
     An entry may be live with a load below its worker's (a router charged the worker without
@@ -114,16 +126,7 @@ def _live_top(heap: list[tuple[int, int, _Worker[W]]]) -> tuple[int, int, _Worke
     return None  # only for an empty group
 
 
-def _charge(heap: list[tuple[int, int, _Worker[W]]], top: tuple[int, int, _Worker[W]]) -> _Worker[W]:
-    """One more request on the worker of `top`, the heap's live minimum."""
-    load, _, st = top
-    st.load = load + 1
-    st.ticket = ticket = next_ticket()
-    heapreplace(heap, (load + 1, ticket, st))
-    return st
-
-
-def _index_of(st: _Worker[W]) -> int:
+def _index_of(st: WorkerState[W]) -> int:
     return st.index
 
 
@@ -133,22 +136,22 @@ class Pool(Generic[W]):
     __slots__ = ("lists",)
 
     def __init__(self) -> None:
-        self.lists: dict[int, list[_Worker[W]]] = {}
+        self.lists: dict[int, list[WorkerState[W]]] = {}
 
-    def add(self, st: _Worker[W]) -> None:
+    def add(self, st: WorkerState[W]) -> None:
         lst = self.lists.setdefault(st.group, [])
         bisect.insort(lst, st, key=_index_of)
 
-    def remove(self, st: _Worker[W]) -> None:
+    def remove(self, st: WorkerState[W]) -> None:
         lst = self.lists[st.group]
         del lst[bisect.bisect_left(lst, st.index, key=_index_of)]
         if not lst:
             del self.lists[st.group]
 
 
-def least_loaded(candidates: list[_Worker[W]], limit: int | None) -> _Worker[W] | None:
+def least_loaded(candidates: list[WorkerState[W]], limit: int | None) -> WorkerState[W] | None:
     """Linear scan: lowest load, then picked longest ago; None if every one is at `limit`."""
-    best: _Worker[W] | None = None
+    best: WorkerState[W] | None = None
     for st in candidates:
         if (limit is None or st.load < limit) and (
             best is None or st.load < best.load or (st.load == best.load and st.picked < best.picked)
@@ -164,13 +167,13 @@ class HeapRouter(Router[W]):
         self._heap: LoadHeap[W] = LoadHeap()
         super().__init__(workers, **options)
 
-    def _index_add(self, st: _Worker[W]) -> None:
+    def _index_add(self, st: WorkerState[W]) -> None:
         self._heap.add(st)
 
-    def _index_remove(self, st: _Worker[W]) -> None:
+    def _index_remove(self, st: WorkerState[W]) -> None:
         self._heap.remove(st)
 
-    def _on_release(self, st: _Worker[W]) -> None:
+    def _on_release(self, st: WorkerState[W]) -> None:
         self._heap.reindex(st)
 
 
@@ -181,12 +184,12 @@ class PoolRouter(Router[W]):
         self._pool: Pool[W] = Pool()
         super().__init__(workers, **options)
 
-    def _index_add(self, st: _Worker[W]) -> None:
+    def _index_add(self, st: WorkerState[W]) -> None:
         self._pool.add(st)
 
-    def _index_remove(self, st: _Worker[W]) -> None:
+    def _index_remove(self, st: WorkerState[W]) -> None:
         self._pool.remove(st)
 
-    def _members(self, group: int | None) -> list[_Worker[W]]:
+    def _members(self, group: int | None) -> list[WorkerState[W]]:
         """The selectable workers of `group` in insertion order (none for None: not sticky)."""
         return [] if group is None else self._pool.lists.get(group, [])

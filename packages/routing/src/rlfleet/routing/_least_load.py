@@ -8,9 +8,11 @@ from typing import Any, SupportsInt
 
 from rlfleet.routing._errors import NoWorkerAvailableError
 from rlfleet.routing._index import HeapRouter
-from rlfleet.routing._worker import W, _Worker
+from rlfleet.routing._public import public
+from rlfleet.routing._worker import W, WorkerState, public_router
 
 
+@public
 def least_load_assign(current_loads: Sequence[SupportsInt], num_tasks: int) -> list[int]:
     """Indices of the workers `num_tasks` requests go to, given each worker's load.
 
@@ -36,18 +38,21 @@ def least_load_assign(current_loads: Sequence[SupportsInt], num_tasks: int) -> l
     return out
 
 
+@public_router
 class LeastLoadRouter(HeapRouter[W]):
     """Send each request to the worker with the fewest requests in flight.
 
     Counts are kept locally (no per-batch RPC to every worker as the seed does); a decision
     costs O(log n). Ties rotate: among equally loaded workers the one whose load changed
     longest ago goes first. Keys are ignored.
+
+    This router has no options of its own.
     """
 
-    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
+    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> WorkerState[W] | None:
         return self._heap.pop_min(group, limit)  # group None (any): not asked, LeastLoad is not sticky
 
-    def _pick_batch(self, keys: list[Any]) -> list[_Worker[W]]:
+    def _pick_batch(self, keys: list[Any]) -> list[WorkerState[W]]:
         order = self._groups.order
         if len(order) == 1:  # one version served: the whole batch in one heap walk
             return self._heap.pop_many(order[0], self._cap, len(keys))

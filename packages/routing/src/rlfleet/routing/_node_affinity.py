@@ -11,12 +11,14 @@ from typing_extensions import Unpack
 
 from rlfleet.routing._base import Router
 from rlfleet.routing._index import LoadHeap
-from rlfleet.routing._worker import RouterOptions, W, _Worker
+from rlfleet.routing._public import public
+from rlfleet.routing._worker import RouterOptions, W, WorkerState, check_many, public_router
 
 KeyToNode = Mapping[Any, Hashable] | Callable[[Hashable], Hashable | None]
 ComponentDistribution = Mapping[Hashable, Mapping[str, Any]]
 
 
+@public
 def parse_env_index(env_id: object) -> int | None:
     """The env worker index in a seed env id `"<name>-<idx>"` (None if there is none).
 
@@ -50,6 +52,7 @@ def _ids(distribution: ComponentDistribution, node: Hashable, component: str) ->
     return out
 
 
+@public
 def env_nodes_from_distribution(component_distribution: ComponentDistribution) -> dict[int, Hashable]:
     """env worker index -> node, from `{node: {"env": {"ids": [...]}, ...}}` (the seed's shape)."""
     out: dict[int, Hashable] = {}
@@ -61,6 +64,7 @@ def env_nodes_from_distribution(component_distribution: ComponentDistribution) -
     return out
 
 
+@public
 class EnvAffinity:
     """Key -> node for seed env ids: parses `"<name>-<idx>"` and looks the index up."""
 
@@ -77,11 +81,13 @@ class EnvAffinity:
         return f"EnvAffinity({self.env_nodes!r})"
 
 
+@public
 def env_affinity(component_distribution: ComponentDistribution) -> EnvAffinity:
     """The key -> node callable for seed env ids placed by `component_distribution`."""
     return EnvAffinity(env_nodes_from_distribution(component_distribution))
 
 
+@public
 def worker_nodes_from_distribution(
     component_distribution: ComponentDistribution, workers: Sequence[W]
 ) -> dict[W, Hashable]:
@@ -111,6 +117,7 @@ class _Node:
         self.total = 0  # requests in flight on this node's workers
 
 
+@public_router
 class NodeAffinityRouter(Router[W]):
     """Send a request to the least-loaded candidate on its key's node; anywhere if none.
 
@@ -121,6 +128,12 @@ class NodeAffinityRouter(Router[W]):
     workers serve (newest first among them); with "strict" the newest version comes first.
     Each node has its own lock, so requests for different nodes never contend; only
     membership changes take every lock.
+
+    Options of this router (keywords):
+    - key_to_node=None: a mapping or a callable, key -> node (None: every key falls back).
+    - worker_nodes=None: a mapping or a callable, worker -> node, for `workers` (None: no node);
+      `add_worker(w, node=...)` places later ones. `from_component_distribution` builds both
+      from the seed's `{node: {"env": {"ids": [...]}, "eval": {"ids": [...]}}}`.
     """
 
     _sticky = True
@@ -142,6 +155,7 @@ class NodeAffinityRouter(Router[W]):
             self._resolve = key_to_node
         else:
             raise TypeError(f"key_to_node must be a mapping or a callable, got {key_to_node!r}")
+        check_many(workers, type(self).__name__, "workers")
         super().__init__(**options)
         if worker_nodes is None:
             node_of: Callable[[W], Hashable | None] = _no_node
@@ -191,7 +205,11 @@ class NodeAffinityRouter(Router[W]):
         assert st is not None
         node: _Node = st.slot
         with node.lock:  # only this worker's node: releases on other nodes never wait
-            self._count_down(worker, st)
+            if st.selectable and st.load > 0:  # the usual case of `_count_down`, inlined
+                st.load -= 1
+                node.heap.reindex(st)
+            else:
+                self._count_down(worker, st)
             node.total -= 1
         if self._wait.count:
             self._wait.wake()
@@ -206,16 +224,16 @@ class NodeAffinityRouter(Router[W]):
         super().add_worker(worker, node=node, version=version)
 
     # ------------------------------------------------------------------ hooks
-    def _member_add(self, st: _Worker[W]) -> None:
+    def _member_add(self, st: WorkerState[W]) -> None:
         st.slot = self._nodes[st.node]
 
-    def _index_add(self, st: _Worker[W]) -> None:
+    def _index_add(self, st: WorkerState[W]) -> None:
         st.slot.heap.add(st)
 
-    def _index_remove(self, st: _Worker[W]) -> None:
+    def _index_remove(self, st: WorkerState[W]) -> None:
         st.slot.heap.remove(st)
 
-    def _on_release(self, st: _Worker[W]) -> None:
+    def _on_release(self, st: WorkerState[W]) -> None:
         st.slot.heap.reindex(st)
 
     # ------------------------------------------------------------------ hot path
@@ -224,26 +242,47 @@ class NodeAffinityRouter(Router[W]):
         return None if key is None else self._resolve(key)
 
     def _try_select(self, key: Any) -> W | None:
-        st = self._choose(key, self._pick_in)  # each step takes the one node lock it needs
+        # One version served (the usual case): no preference to apply. Each step of `_choose`
+        # takes the one node lock it needs.
+        order = self._groups.order
+        st = self._pick_in(key, order[0], self._cap) if len(order) == 1 else self._choose(key, self._pick_in)
         return None if st is None else st.key
 
     def _try_assign(self, keys: list[Any]) -> list[W] | None:
         return None  # per-node locks: no single lock covers a batch
 
-    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
-        """On the key's node: `group`, or every recent group newest first (None); then, for a
-        group, the least-loaded worker of any node."""
+    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> WorkerState[W] | None:
+        """On the key's node: `group`, or its recent workers (None, see `_pick_recent`); then, for
+        a group, the least-loaded worker of any node."""
         node = None if key is None else self._nodes.get(self._resolve(key))
         if node is not None:
             with node.lock:
-                for g in self._groups.order[: self._groups.recent] if group is None else (group,):
-                    st: _Worker[W] | None = node.heap.pop_min(g, limit)
-                    if st is not None:
-                        node.total += 1
-                        return st
+                st = node.heap.pop_min(group, limit) if group is not None else self._pick_recent(node, limit)
+                if st is not None:
+                    node.total += 1
+                    return st
         return None if group is None else self._anywhere(group, limit)
 
-    def _anywhere(self, group: int, limit: int | None) -> _Worker[W] | None:
+    def _pick_recent(self, node: _Node, limit: int | None) -> WorkerState[W] | None:
+        """A recent worker of `node`: the newest version first up to `limit` (the load bound),
+        else the least loaded under `max_in_flight`. The load bound spreads a rolling update's
+        requests over versions; it never sends a key off its node while a recent local worker
+        can take it (the seed never leaves the node on load either)."""
+        heap: LoadHeap[W] = node.heap
+        recent = self._groups.order[: self._groups.recent]
+        best: tuple[tuple[int, int], int] | None = None
+        for g in recent:
+            st: WorkerState[W] | None = heap.pop_min(g, limit)
+            if st is not None:
+                return st
+            top = heap.peek_min(g)
+            if top is not None and (best is None or top < best[0]):
+                best = (top, g)
+        if best is None or (self._cap is not None and best[0][0] >= self._cap):
+            return None
+        return heap.pop_min(best[1], self._cap)
+
+    def _anywhere(self, group: int, limit: int | None) -> WorkerState[W] | None:
         """Least-loaded worker of `group` on any node, taking one node lock at a time."""
         found: list[tuple[tuple[int, int], _Node]] = []
         for node in list(self._nodes.values()):
@@ -254,7 +293,7 @@ class NodeAffinityRouter(Router[W]):
         found.sort(key=lambda f: f[0])
         for _, node in found:
             with node.lock:  # loads may have moved since the peek: take that node's minimum now
-                st: _Worker[W] | None = node.heap.pop_min(group, limit)
+                st: WorkerState[W] | None = node.heap.pop_min(group, limit)
                 if st is not None:
                     node.total += 1
                     return st

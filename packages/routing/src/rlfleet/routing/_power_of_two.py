@@ -9,14 +9,18 @@ from typing import Any
 from typing_extensions import Unpack
 
 from rlfleet.routing._index import PoolRouter, least_loaded
-from rlfleet.routing._worker import RouterOptions, W, _Worker, next_ticket
+from rlfleet.routing._worker import RouterOptions, W, WorkerState, next_ticket, public_router
 
 
+@public_router
 class PowerOfTwoRouter(PoolRouter[W]):
     """Sample two distinct candidates at random, send the request to the less loaded one.
 
     Near least-load balance at O(1) per decision with no shared ordering structure. The RNG is
     seeded (`seed`) so runs are reproducible. Keys are ignored.
+
+    Options of this router (keywords):
+    - seed=0: seed of the router's own random.Random (None: from the OS, not reproducible).
     """
 
     def __init__(
@@ -25,7 +29,7 @@ class PowerOfTwoRouter(PoolRouter[W]):
         self._rng = random.Random(seed)
         super().__init__(workers, **options)
 
-    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> _Worker[W] | None:
+    def _pick_in(self, key: Any, group: int | None, limit: int | None) -> WorkerState[W] | None:
         lst = self._members(group)
         n = len(lst)
         if n <= 1:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Any, Generic
 
-from rlfleet.routing._worker import W, _Worker, next_ticket
+from rlfleet.routing._worker import W, WorkerState, next_ticket
 
 _QUEUE_SLACK = 32
 
@@ -119,7 +119,9 @@ class PrefixTree(Generic[W]):
             children = node.children
         return path
 
-    def insert(self, st: _Worker[W], chunks: list[Hashable], path: list[Block], held_to: int = -1) -> None:
+    def insert(
+        self, st: WorkerState[W], chunks: list[Hashable], path: list[Block], held_to: int = -1
+    ) -> None:
         """`st` now caches every block of `chunks` (`path`: what `walk` found; `held_to`: how many
         of them `st` holds, if known); evict past its bound."""
         if not chunks:
@@ -146,7 +148,7 @@ class PrefixTree(Generic[W]):
         held.queue.append((stamp, path[-1]))
         self._evict(st, held)
 
-    def _evict(self, st: _Worker[W], held: Holdings) -> None:
+    def _evict(self, st: WorkerState[W], held: Holdings) -> None:
         queue = held.queue
         while held.count > self.max_blocks and queue:
             stamp, block = queue.popleft()
@@ -158,13 +160,13 @@ class PrefixTree(Generic[W]):
         if len(queue) > 2 * held.count + _QUEUE_SLACK:  # drop entries whose block was used later
             held.queue = deque(e for e in queue if e[1].holders.get(st) == e[0])
 
-    def _forget(self, st: _Worker[W], block: Block) -> None:
+    def _forget(self, st: WorkerState[W], block: Block) -> None:
         del block.holders[st]
         if not block.holders and block.parent is not None:
             del block.parent.children[block.chunk]
             self.blocks -= 1
 
-    def drop(self, st: _Worker[W]) -> None:
+    def drop(self, st: WorkerState[W]) -> None:
         """Forget everything `st` holds (its cache is gone: new weights, or it left)."""
         held: Holdings = st.slot
         for _, block in held.queue:

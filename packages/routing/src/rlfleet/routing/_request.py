@@ -5,12 +5,14 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, cast
 
+from rlfleet.routing._public import public
 from rlfleet.routing._worker import W
 
 if TYPE_CHECKING:
     from rlfleet.routing._base import Router
 
 
+@public
 class Request(Generic[W]):
     """`with router.request(key) as worker:` or `async with ...`: select on entry, release on exit.
 

@@ -12,6 +12,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 from typing_extensions import TypedDict
 
+from rlfleet.routing._public import public
+
 W = TypeVar("W", bound=Hashable)
 
 # True: newest version first within the load bound, a keyed request keeps its worker (sticky);
@@ -27,6 +29,32 @@ next_ticket = itertools.count().__next__
 LONGEST_WAIT = 86_400.0
 
 
+# The options every router takes, as each router's docstring lists them (help() shows them).
+COMMON_OPTIONS = """
+    Options every router takes (keywords):
+    - prefer_newest_version=True: how weight versions steer requests during a rolling update
+      (True: newest first up to the load bound, sticky keys keep a recent worker; "strict":
+      newest only while one of its workers can take the request; False: ignore versions).
+    - version_lag=1: versions behind the newest that still count as recent.
+    - max_staleness=None: never hand a request to a worker more than this many versions behind
+      the latest committed version (`set_latest_version`, or the newest any worker serves);
+      None: unbounded. With none eligible, `select(timeout=...)` waits.
+    - max_in_flight=None: most requests one worker may hold (None: no cap).
+    - load_factor=1.25: the load bound, `ceil(load_factor * (in_flight + 1) / candidates)`.
+"""
+
+
+R = TypeVar("R", bound=type)
+
+
+def public_router(cls: R) -> R:
+    """A router class users import from `rlfleet.routing`: its docstring (what `help()` shows)
+    ends with the options every router takes, with their defaults."""
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + COMMON_OPTIONS
+    return public(cls)
+
+
+@public
 class RouterOptions(TypedDict, total=False):
     """Keyword options every router takes (see `Router`)."""
 
@@ -34,9 +62,10 @@ class RouterOptions(TypedDict, total=False):
     max_in_flight: int | None
     load_factor: float
     version_lag: int
+    max_staleness: int | None
 
 
-class _Worker(Generic[W]):
+class WorkerState(Generic[W]):
     """One worker's state. Guarded by the router's lock (by its node's lock in NodeAffinityRouter)."""
 
     __slots__ = (
@@ -50,6 +79,7 @@ class _Worker(Generic[W]):
         "picked",
         "selectable",
         "slot",
+        "stale",
         "ticket",
         "version",
     )
@@ -62,13 +92,15 @@ class _Worker(Generic[W]):
         self.load = 0  # requests in flight
         self.draining = False
         self.active = True  # False once removed (kept only while requests are still in flight)
-        self.selectable = False  # active and not draining: in the subclass's index
+        self.stale = False  # more than max_staleness versions behind the latest committed version
+        self.selectable = False  # active, not draining, not stale: in the subclass's index
         self.group = 0  # candidate group: the version when versions matter, else 0
         self.ticket = -1  # its live entry in a LoadHeap (-1: none)
         self.picked = -1  # when it was last picked: ties go to the one picked longest ago
         self.slot: Any = None  # subclass-private (NodeAffinityRouter: the node; prefix: its blocks)
 
 
+@public
 class Loads(dict[W, int]):
     """Requests in flight per worker, one consistent snapshot.
 
@@ -86,10 +118,24 @@ def check_version(version: object) -> int:
     return version
 
 
+def check_many(items: object, what: str, things: str) -> None:
+    """Refuse a str or bytes where an iterable of `things` is expected (it would iterate
+    character by character: `LeastLoadRouter("abc")` is not three workers 'a', 'b', 'c')."""
+    if isinstance(items, (str, bytes, bytearray)):
+        raise TypeError(
+            f"{what}: {things} must be an iterable of {things}, got the {type(items).__name__} "
+            f"{items!r}; for a single one pass a list: [{items!r}]"
+        )
+    try:
+        iter(items)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{what}: {things} must be an iterable of {things}, got {items!r}") from None
+
+
 class Options:
     """`RouterOptions`, validated, with their defaults."""
 
-    __slots__ = ("cap", "factor", "lag", "prefer")
+    __slots__ = ("cap", "factor", "lag", "prefer", "staleness")
 
     def __init__(self, options: RouterOptions) -> None:
         unknown = set(options) - set(RouterOptions.__annotations__)
@@ -107,10 +153,16 @@ class Options:
         lag = options.get("version_lag", 1)
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
             raise ValueError(f"version_lag must be an int >= 0, got {lag!r}")
+        staleness = options.get("max_staleness")
+        if staleness is not None and (
+            isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0
+        ):
+            raise ValueError(f"max_staleness must be an int >= 0 or None, got {staleness!r}")
         self.prefer: VersionPreference = prefer
         self.cap: int | None = cap
         self.factor = float(factor)
         self.lag = lag
+        self.staleness: int | None = staleness
 
 
 def deadline(timeout: object, what: str) -> float | None:
