@@ -666,7 +666,8 @@ def test_copy_version_pins_its_slot_and_checks_versions_and_layouts() -> None:
             copier_reader.copy_version(3, alone, w.TIMEOUT)
         assert copier_reader.layout.digest == layout.digest
         fitting = w.module_for(copier_reader.layout)
-        assert copier_reader.copy_version(3, DoubleBuffer(fitting, layout=copier_reader.layout), w.TIMEOUT) == 3
+        fits = DoubleBuffer(fitting, layout=copier_reader.layout)
+        assert copier_reader.copy_version(3, fits, w.TIMEOUT) == 3
         assert checksum(dict(fitting.state_dict())) == checksum(w.make_state(3))
         copier_reader.close()
         viewer.close()
