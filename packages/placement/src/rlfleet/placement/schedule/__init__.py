@@ -1,7 +1,16 @@
 """What an executor does with a sync plan: the calls per step and the report their timings make,
 its processes and options, the node buffers, endpoints and communication groups to wire."""
 
-from rlfleet.placement.schedule._calls import CALL_KINDS, GroupPart, PlannedCall, schedule_calls, sync_report
+from rlfleet.placement.schedule._calls import (
+    CALL_KINDS,
+    CallKind,
+    CallResult,
+    GroupPart,
+    PartResult,
+    PlannedCall,
+    schedule_calls,
+    sync_report,
+)
 from rlfleet.placement.schedule._comm import (
     INTRA_NODE,
     TRAIN_DATA_PARALLEL,
@@ -30,10 +39,13 @@ __all__ = [
     "TRAIN_DATA_PARALLEL",
     "WEIGHT_TRANSFER",
     "BufferWiring",
+    "CallKind",
+    "CallResult",
     "CommGroup",
     "CommGroupPlan",
     "GroupPart",
     "NodeWiring",
+    "PartResult",
     "PlannedCall",
     "RankInfo",
     "SyncGroups",

@@ -15,6 +15,10 @@ A step waits for the calls serving its ``after`` steps and its sender's previous
 scheduled before it); a receive waits for what its parts wait for. A step's measured time runs
 from when it could start (the sync's start, or its dependencies' end) to its last call's end;
 what its own phases do not explain is control (the executor's calls).
+
+The contract with the worker that runs the calls is typed here: each call kind's worker method
+returns a `CallResult` (wall-clock ``t0``/``t1``, its phases, its value, and for a receive one
+`PartResult` per sender), and `sync_report` reads exactly those fields.
 """
 
 from __future__ import annotations
@@ -22,17 +26,53 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypedDict, get_args
 
 from rlfleet.placement._errors import SyncPlanError
 from rlfleet.placement._public import public
 from rlfleet.placement.sync._plan import GROUP_TRANSPORTS, SyncPlan, SyncStep
 from rlfleet.placement.sync._report import StepReport, SyncReport
 
-__all__ = ["CALL_KINDS", "GroupPart", "PlannedCall", "schedule_calls", "sync_report"]
+__all__ = [
+    "CALL_KINDS",
+    "CallKind",
+    "CallResult",
+    "GroupPart",
+    "PartResult",
+    "PlannedCall",
+    "schedule_calls",
+    "sync_report",
+]
 
 CallKind = Literal["publish", "send", "receive", "stage", "ipc_send", "ipc_receive"]
-CALL_KINDS: tuple[str, ...] = get_args(CallKind)
+CALL_KINDS: tuple[CallKind, ...] = get_args(CallKind)
+
+
+class PartResult(TypedDict, total=False):
+    """One sender's part of a receive: its span (``time.time()``), its land and commit."""
+
+    t0: float
+    t1: float
+    land: float
+    commit: float
+
+
+class CallTimes(TypedDict):
+    """The fields every step call returns: wall-clock start and end, and its phases in seconds
+    (names from `MEASURED_PHASES`)."""
+
+    t0: float
+    t1: float
+    phases: dict[str, float]
+
+
+class CallResult(CallTimes, total=False):
+    """What a worker's step call returns to the executor (plain data: it crosses Ray): its
+    times and phases, its value (bytes moved, the version applied), and, for a receive, one
+    `PartResult` per sender id."""
+
+    value: Any
+    parts: dict[str, PartResult]
 
 
 @public
@@ -163,7 +203,7 @@ def schedule_calls(plan: SyncPlan) -> tuple[PlannedCall, ...]:
 def sync_report(
     plan: SyncPlan,
     calls: Sequence[PlannedCall],
-    timings: Sequence[Mapping[str, Any] | None],
+    timings: Sequence[CallResult | None],
     *,
     version: int,
     started: float,
@@ -172,8 +212,8 @@ def sync_report(
 ) -> SyncReport:
     """The measured steps of `plan` next to its predictions, from what each call returned.
 
-    `timings[i]` is call i's mapping (``t1``, ``phases``; a receive's ``parts`` per sender), None
-    where it failed. A step is measured when all its calls and all the steps it waits for were;
+    `timings[i]` is call i's `CallResult`, None where it failed. A step is measured when all its
+    calls and all the steps it waits for were;
     `started` and `finished` (default: now) are ``time.time()`` values of the sync."""
     if len(timings) != len(calls):
         raise SyncPlanError(f"sync report: {len(timings)} timings for {len(calls)} calls")
@@ -216,21 +256,21 @@ def _own(phases: Mapping[str, float]) -> float:
 
 
 def _phases(
-    step: SyncStep, calls: Sequence[PlannedCall], timings: Sequence[Mapping[str, Any]]
+    step: SyncStep, calls: Sequence[PlannedCall], timings: Sequence[CallResult]
 ) -> tuple[dict[str, float], float]:
     """A step's phases (the longest of each over its calls) and its end (its last call's)."""
     phases: dict[str, float] = {}
     end = 0.0
     for call, t in zip(calls, timings, strict=True):
         if call.kind == "receive":
-            part = dict(t.get("parts", {})).get(step.src, {})
+            part: PartResult = t.get("parts", {}).get(step.src, {})
             end = max(end, float(part.get("t1", t["t1"])))
-            for name in ("land", "commit"):
-                phases[name] = max(phases.get(name, 0.0), float(part.get(name, 0.0)))
-            wait = float(dict(t.get("phases", {})).get("wait_readers", 0.0))
+            phases["land"] = max(phases.get("land", 0.0), float(part.get("land", 0.0)))
+            phases["commit"] = max(phases.get("commit", 0.0), float(part.get("commit", 0.0)))
+            wait = float(t["phases"].get("wait_readers", 0.0))
             phases["wait_readers"] = max(phases.get("wait_readers", 0.0), wait)
             continue
         end = max(end, float(t["t1"]))
-        for name, seconds in dict(t.get("phases", {})).items():
+        for name, seconds in t["phases"].items():
             phases[name] = max(phases.get(name, 0.0), float(seconds))
     return phases, end

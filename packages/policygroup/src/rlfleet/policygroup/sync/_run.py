@@ -7,13 +7,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 
 from rlfleet import placement
 from rlfleet.policygroup._errors import PolicyGroupError
 from rlfleet.policygroup.driver._calls import Calls, Outcome, Policy
+from rlfleet.policygroup.worker import STEP_CALLS
 
 
 @dataclass
@@ -55,16 +56,33 @@ def start(
                 raise PolicyGroupError(f"sync v{v}: step {step} (cuda_ipc) needs Ray actors")
         if call.kind in ("publish", "stage") and call.node not in buffers:
             raise PolicyGroupError(f"sync v{v}: no node buffer on node {call.node!r} (step {step})")
-        args: tuple[Any, ...] = (
-            (parts[0]["group"], v, parts[0]["buckets"], at) if call.kind == "send"
-            else (parts, v, at) if call.kind == "receive"
-            else (buffers[call.node or ""], v, at) if call.kind == "stage"
-            else (channels[step], v, at) if call.kind == "ipc_send"
-            else (channels[step], call.reader, v, at) if call.kind == "ipc_receive"
-            else (v, at)
-        )  # fmt: skip
-        run.calls.append((policy, invoke(policy, f"sync_{call.kind}", *args, *after)))
+        args = step_args(call, v, at, parts, buffers, channels.get(step))
+        run.calls.append((policy, invoke(policy, STEP_CALLS[call.kind].__name__, *args, *after)))
     return run
+
+
+def step_args(
+    call: placement.PlannedCall,
+    version: int,
+    deadline_at: float,
+    parts: list[dict[str, Any]],
+    buffers: Mapping[str, str],
+    channel: Any,
+) -> tuple[Any, ...]:
+    """The arguments of `call`'s worker method (`STEP_CALLS[call.kind]`), before the refs it
+    waits for: the contract a test checks against each method's signature."""
+    v, at = version, deadline_at
+    if call.kind == "send":
+        return (parts[0]["group"], v, parts[0]["buckets"], at)
+    if call.kind == "receive":
+        return (parts, v, at)
+    if call.kind == "stage":
+        return (buffers[call.node or ""], v, at)
+    if call.kind == "ipc_send":
+        return (channel, v, at)
+    if call.kind == "ipc_receive":
+        return (channel, call.reader, v, at)
+    return (v, at)  # publish
 
 
 def _part(groups: Mapping[tuple[str, ...], tuple[str, int]], part: placement.GroupPart) -> dict[str, Any]:
@@ -83,7 +101,10 @@ def outcomes(run: Execution, calls: Calls, what: str) -> list[tuple[Policy, Outc
 
 def report(run: Execution, results: list[tuple[Policy, Outcome]], error: str | None) -> placement.SyncReport:
     """The measured steps (every step whose calls all succeeded) next to the plan's predictions."""
-    timings = [v if err is None and isinstance(v, Mapping) else None for _, (v, err) in results]
+    timings = [
+        cast(placement.CallResult, v) if err is None and isinstance(v, Mapping) else None
+        for _, (v, err) in results
+    ]
     return placement.sync_report(
         run.plan, run.planned, timings, version=run.version, started=run.started, error=error
     )

@@ -22,9 +22,10 @@ from rlfleet.policygroup.worker._reference import ReferenceCalls, reference_logp
 from rlfleet.policygroup.worker._resources import DeviceCalls, OffloadCalls
 from rlfleet.policygroup.worker._settings import BufferSettings, WorkerSettings
 from rlfleet.policygroup.worker._state import StateCalls
-from rlfleet.policygroup.worker._weight_calls import WeightCalls
+from rlfleet.policygroup.worker._weight_calls import STEP_CALLS, WeightCalls
 
 __all__ = [
+    "STEP_CALLS",
     "BufferSettings",
     "Checkpoints",
     "CommGroupCalls",

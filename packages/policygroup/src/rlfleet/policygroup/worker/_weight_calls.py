@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from rlfleet.placement import CallKind, CallResult, PartResult
 from rlfleet.policygroup.worker._host import WorkerHost
 from rlfleet.weightsync import (
     Deadline,
@@ -35,7 +36,7 @@ from rlfleet.weightsync import (
     probe_layout,
 )
 
-Timed = dict[str, Any]
+Timed = CallResult  # the executor contract: placement's `CallResult`, what `sync_report` reads
 
 
 def left_until(deadline_at: float, what: str) -> float:
@@ -53,7 +54,9 @@ def timed(fn: Callable[[], Any], phase: str | None = None) -> Timed:
     t1 = time.time()
     out: Timed = {"t0": t0, "t1": t1, "phases": {}}
     if isinstance(value, Mapping) and "phases" in value:
-        out.update(value=value.get("value"), phases=dict(value["phases"]), parts=value.get("parts", {}))
+        out["value"] = value.get("value")
+        out["phases"] = {str(k): float(v) for k, v in value["phases"].items()}
+        out["parts"] = {str(k): cast(PartResult, dict(v)) for k, v in value.get("parts", {}).items()}
     else:
         out["value"] = value
     if phase is not None:
@@ -212,7 +215,9 @@ class WeightCalls(WorkerHost):
         timeout = self.config.sync_timeout_s if timeout_s is None else timeout_s
         return int(self._receiving().stage_from_node(name, version, timeout))
 
-    def recv_broadcast(self, parts: Sequence[Mapping[str, Any]], version: int, timeout_s: float) -> Timed:
+    def recv_broadcast(
+        self, parts: Sequence[Mapping[str, Any]], version: int, timeout_s: float
+    ) -> dict[str, Any]:
         """Receive `version` from every sender in `parts`, then stage it; per part what it measured."""
         endpoint = self._receiving()
         receiver = SharesReceiver(
@@ -258,3 +263,16 @@ class WeightCalls(WorkerHost):
     def get_staged_version(self) -> int | None:
         endpoint = self._weights.endpoint
         return None if endpoint is None else endpoint.staged_version
+
+
+#: The executor contract: the worker method each of placement's call kinds runs (`CALL_KINDS`);
+#: policygroup's executor dispatches through this table, and a test checks it against the
+#: arguments the executor passes and the `CallResult` every method returns.
+STEP_CALLS: dict[CallKind, Callable[..., CallResult]] = {
+    "publish": WeightCalls.sync_publish,
+    "send": WeightCalls.sync_send,
+    "receive": WeightCalls.sync_receive,
+    "stage": WeightCalls.sync_stage,
+    "ipc_send": WeightCalls.sync_ipc_send,
+    "ipc_receive": WeightCalls.sync_ipc_receive,
+}
