@@ -12,6 +12,7 @@ from sync_processes import BUCKETS, R, T, cluster
 
 from rlfleet.placement import (
     CALL_KINDS,
+    CallResult,
     GroupPart,
     PlannedCall,
     SyncPlan,
@@ -156,21 +157,28 @@ def test_every_call_waits_only_for_earlier_calls_and_every_step_is_served(
 STARTED = 100.0
 
 
-def relay_timings() -> list[dict[str, Any] | None]:
-    """What the relay plan's calls return: ends (``t1``), phases, a receive's parts per sender."""
+def relay_timings() -> list[CallResult | None]:
+    """What the relay plan's calls return (`CallResult`s): start and end, phases, a receive's
+    parts per sender."""
     return [
-        {"t1": 101.0, "phases": {"pack": 0.2, "wire": 0.6}},  # send t0
+        {"t0": 100.0, "t1": 101.0, "phases": {"pack": 0.2, "wire": 0.6}},  # send t0
         {
+            "t0": 100.0,
             "t1": 101.2,
             "parts": {"t0": {"t1": 101.1, "land": 0.3, "commit": 0.05}},
             "phases": {"wait_readers": 0.02},
         },
-        {"t1": 101.3, "parts": {"t0": {"t1": 101.25, "land": 0.4, "commit": 0.1}}},  # receive r3
-        {"t1": 101.5, "phases": {"pack": 0.2}},  # publish t0
-        {"t1": 101.7, "phases": {"land": 0.1}},  # stage r0
-        {"t1": 101.6, "phases": {"land": 0.25}},  # stage r2
-        {"t1": 102.0, "phases": {"land": 0.3}},  # stage r4
-        {"t1": 101.9, "phases": {"land": 0.5}},  # stage r5
+        {  # receive r3
+            "t0": 100.0,
+            "t1": 101.3,
+            "parts": {"t0": {"t1": 101.25, "land": 0.4, "commit": 0.1}},
+            "phases": {},
+        },
+        {"t0": 101.0, "t1": 101.5, "phases": {"pack": 0.2}},  # publish t0
+        {"t0": 101.5, "t1": 101.7, "phases": {"land": 0.1}},  # stage r0
+        {"t0": 101.5, "t1": 101.6, "phases": {"land": 0.25}},  # stage r2
+        {"t0": 101.5, "t1": 102.0, "phases": {"land": 0.3}},  # stage r4
+        {"t0": 101.5, "t1": 101.9, "phases": {"land": 0.5}},  # stage r5
     ]
 
 

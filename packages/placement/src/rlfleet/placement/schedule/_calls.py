@@ -75,6 +75,10 @@ class CallResult(CallTimes, total=False):
     parts: dict[str, PartResult]
 
 
+for _typed in (PartResult, CallTimes, CallResult):
+    public(_typed)  # help() and tracebacks name the package root (a TypedDict takes no decorator)
+
+
 @public
 @dataclass(frozen=True)
 class GroupPart:
