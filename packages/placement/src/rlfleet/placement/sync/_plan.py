@@ -354,6 +354,12 @@ class SyncPlan:
 
         return transfer_info_view(self, objects)
 
+    def router_map(self) -> dict[str, list[str]]:
+        """The seed's ``router_map``: each trainer node -> the nodes its version reaches."""
+        from rlfleet.placement.sync._view import router_map_view
+
+        return router_map_view(self)
+
     def to_dot(self, report: SyncReport | None = None) -> str:
         """Graphviz DOT: one cluster per node, edges labelled with transport and bytes."""
         from rlfleet.placement.sync._render import sync_plan_to_dot

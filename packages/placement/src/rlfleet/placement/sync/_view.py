@@ -1,4 +1,4 @@
-"""The seed-shaped ``transfer_info`` as a view of a `SyncPlan` (derived, never parsed back).
+"""The seed-shaped ``transfer_info`` and ``router_map`` as views of a `SyncPlan` (derived, never parsed back).
 
 Disaggregated shape: ``{sender_node: [{"sender", "receiver", "intra_node"}, ...]}`` in step order.
 A broadcast step is one item (its destinations are the receivers). A node-local step written by a
@@ -18,7 +18,7 @@ from rlfleet.placement._errors import SyncPlanError
 if TYPE_CHECKING:
     from rlfleet.placement.sync._plan import SyncPlan
 
-__all__ = ["transfer_info_view"]
+__all__ = ["router_map_view", "transfer_info_view"]
 
 
 def transfer_info_view(plan: SyncPlan, objects: Mapping[str, Any]) -> dict[Any, list[dict[str, Any]]]:
@@ -43,3 +43,33 @@ def transfer_info_view(plan: SyncPlan, objects: Mapping[str, Any]) -> dict[Any, 
             {"sender": obj(step.src), "receiver": receivers, "intra_node": intra}
         )
     return info
+
+
+def router_map_view(plan: SyncPlan) -> dict[str, list[str]]:
+    """The seed's ``router_map``: each trainer node -> the nodes its version reaches, itself first
+    when rollout workers share it, in step order.
+
+    A node a relay fills (a rollout worker forwarding what it received) counts for the trainer
+    node that fed the relay, as the seed counts an eval node for the train node it is assigned
+    to. Colocated plans map every trainer node to itself."""
+    processes = {p.id: p for p in plan.processes}
+    origin: dict[str, str] = {}  # process -> the trainer node its version came from
+    for p in plan.processes:
+        if p.role == "trainer":
+            origin[p.id] = p.node
+    out: dict[str, list[str]] = {}
+    for step in plan.steps:
+        root = origin.get(step.src)
+        if root is None:
+            raise SyncPlanError(f"router_map: step {step.index} sends from {step.src!r} before it received")
+        reached = out.setdefault(root, [])
+        for d in step.dst:
+            origin.setdefault(d, root)
+            node = processes[d].node
+            if node not in reached:
+                reached.append(node)
+    for node, reached in out.items():  # the seed lists a mixed node first, as its own receiver
+        if node in reached:
+            reached.remove(node)
+            reached.insert(0, node)
+    return out

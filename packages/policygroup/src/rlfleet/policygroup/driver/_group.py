@@ -105,6 +105,13 @@ class PolicyGroup:
         return {} if plan is None else plan.transfer_info(self._processes.by_pid())
 
     @property
+    def router_map(self) -> dict[Any, list[Any]]:
+        """The seed's ``router_map``: each trainer node -> the nodes its version reaches (a view
+        derived from `sync_plan`, the plan that runs)."""
+        plan = self.sync_plan
+        return {} if plan is None else dict(plan.router_map())
+
+    @property
     def sync_plan(self) -> SyncPlan | None:
         """The `SyncPlan` the next sync runs (rlfleet.placement's; re-made when the group changes)."""
         with self._lock:

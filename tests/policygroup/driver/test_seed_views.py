@@ -1,0 +1,27 @@
+"""The seed's public views of a policy group, derived from the plan that runs."""
+
+from __future__ import annotations
+
+import torch
+
+from rlfleet.policygroup import BasePolicy, PolicyConfig, PolicyGroup, WeightBufferConfig
+
+
+class _Tiny(BasePolicy):
+    def build_model(self) -> torch.nn.Module:
+        return torch.nn.Linear(4, 3)
+
+
+def test_router_map_is_the_executed_plans() -> None:
+    config = PolicyConfig(weight_buffer=WeightBufferConfig(buffer_strategy="Double", bucket_bytes=4096))
+    group = PolicyGroup([_Tiny(config, "train")], [_Tiny(config, "eval", index=i) for i in range(2)], config)
+    try:
+        assert group.router_map == {}  # no plan before the placement is known
+        group.init_placement_info()
+        group.init_weight_buffer()
+        plan = group.sync_plan
+        assert plan is not None
+        assert group.router_map == plan.router_map() == {"local": ["local"]}
+        assert set(group.transfer_info) == set(group.router_map)
+    finally:
+        group.shutdown()
