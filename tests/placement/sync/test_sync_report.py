@@ -7,7 +7,16 @@ import json
 
 import pytest
 
-from rlfleet.placement import StepReport, SyncPlanError, SyncProcess, SyncReport, plan_sync
+from rlfleet.placement import (
+    WALL_PHASES,
+    CostModel,
+    StepReport,
+    SyncPlanError,
+    SyncProcess,
+    SyncReport,
+    plan_sync,
+    predict_sync_wall,
+)
 
 PROCS = [
     SyncProcess("t0", "trainer", "n0"),
@@ -54,3 +63,44 @@ def test_round_trip_and_checks() -> None:
         SyncReport(1, False, None, (), 0.0, 0.0, "d")
     with pytest.raises(SyncPlanError, match="malformed sync report"):
         SyncReport.from_dict({"version": 1})
+
+
+def test_the_whole_sync_adds_up_and_round_trips() -> None:
+    """The steps are not the whole sync: the report carries the caller's wall time, phases that
+    add up to it, and the prediction of all of it."""
+    plan = plan_sync(PROCS, [2**20] * 4, "Double")
+    report = executed(len(plan.steps), plan.digest)
+    phases = {"prepare": 0.02, "steps": 0.41, "collect": 0.01, "apply": 0.06}
+    whole = report.with_wall(phases, 0.45)
+    assert whole.wall_seconds == pytest.approx(0.5)
+    assert whole.wall_ratio == pytest.approx(0.5 / 0.45)
+    assert SyncReport.from_dict(json.loads(whole.to_json())) == whole
+    assert whole.summary().endswith("; whole sync 0.5 s / 0.45 s predicted")
+    with pytest.raises(SyncPlanError, match="add up to 0.500000 s, not the wall time 0.700000 s"):
+        dataclasses.replace(whole, wall_seconds=0.7)
+    with pytest.raises(SyncPlanError, match=r"unknown wall phase\(s\) \['drain'\]"):
+        report.with_wall({"drain": 0.1})
+    assert report.wall_seconds is None  # an executor that does not time the whole sync
+    assert report.wall_ratio is None
+
+
+@pytest.mark.parametrize("strategy", ["None", "Double", "Shared", "Sharded"])
+def test_the_predicted_whole_sync_covers_checks_steps_answers_and_the_rolling_apply(strategy: str) -> None:
+    procs = [*PROCS, SyncProcess("r3", "rollout", "n1")]
+    if strategy == "Sharded":  # each rollout worker keeps its node's i-th of n
+        procs = [
+            *PROCS[:1],
+            SyncProcess("r0", "rollout", "n0", shard=(0, 1)),
+            *[SyncProcess(f"r{i}", "rollout", "n1", shard=(i - 1, 3)) for i in (1, 2, 3)],
+        ]
+    plan = plan_sync(procs, [2**20] * 4, strategy)
+    model = CostModel(control_round_trip_s=0.01, load_bytes_per_s=2**22)  # 4 MiB/s: 1 s per copy
+    staged = predict_sync_wall(plan, model, apply=False)
+    whole = predict_sync_wall(plan, model)
+    assert tuple(whole) == WALL_PHASES
+    assert whole["steps"] == staged["steps"] == plan.predicted_seconds
+    assert whole["prepare"] == whole["collect"] == 0.01
+    assert staged["apply"] == 0.0
+    swaps = {"None": 0, "Double": 4, "Shared": 4, "Sharded": 2}[strategy]  # Sharded: a node at a time
+    copy = 1.0 if strategy in ("Double", "Sharded") else 0.0
+    assert whole["apply"] == pytest.approx(swaps * (0.01 + copy))

@@ -79,3 +79,30 @@ def test_a_real_sync_returns_call_results_the_report_reads() -> None:
         assert report.matches(plan)
     finally:
         group.shutdown()
+
+
+def test_the_report_covers_the_whole_sync_its_caller_waits_for() -> None:
+    """``sync_weights()`` reports the whole sync (checks, steps, answers, the rolling apply), not
+    only the plan's steps, and predicts all of it."""
+    config = PolicyConfig(weight_buffer=WeightBufferConfig(buffer_strategy="Double", bucket_bytes=4096))
+    group = PolicyGroup([_Tiny(config, "train")], [_Tiny(config, "eval", index=i) for i in range(2)], config)
+    try:
+        group.init_placement_info()
+        group.init_weight_buffer()
+        began = time.monotonic()
+        report = group.sync_weights()
+        elapsed = time.monotonic() - began
+        assert report is not None
+        assert report.wall_seconds is not None
+        assert report.predicted_wall_seconds is not None
+        assert report.wall_seconds <= elapsed  # inside the caller's wait
+        assert set(report.wall_phases) == {"prepare", "steps", "collect", "apply"}
+        assert sum(report.wall_phases.values()) == pytest.approx(report.wall_seconds)
+        assert report.wall_phases["steps"] == report.measured_seconds
+        assert report.wall_phases["apply"] > 0  # the rolling update is part of it
+        assert report.predicted_wall_seconds > report.predicted_seconds
+        assert group.last_sync_report == report
+        assert group.last_sync is not None
+        assert group.last_sync.report == report
+    finally:
+        group.shutdown()

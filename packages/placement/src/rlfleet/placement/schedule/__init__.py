@@ -29,6 +29,7 @@ from rlfleet.placement.schedule._setup import (
     make_sync_plan,
     sync_processes,
 )
+from rlfleet.placement.schedule._wall import predict_sync_wall
 from rlfleet.placement.schedule._wiring import BufferWiring, NodeWiring, SyncGroups, node_wiring
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "make_sync_plan",
     "node_wiring",
     "plan_comm_groups",
+    "predict_sync_wall",
     "schedule_calls",
     "sync_processes",
     "sync_report",

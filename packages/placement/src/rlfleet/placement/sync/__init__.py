@@ -13,7 +13,7 @@ from rlfleet.placement.sync._plan import (
     SyncStep,
 )
 from rlfleet.placement.sync._planner import FANOUTS, SENDERS, plan_sync, seed_sync_plan, split_shares
-from rlfleet.placement.sync._report import MEASURED_PHASES, StepReport, SyncReport
+from rlfleet.placement.sync._report import MEASURED_PHASES, WALL_PHASES, StepReport, SyncReport
 
 __all__ = [
     "FANOUTS",
@@ -22,6 +22,7 @@ __all__ = [
     "SENDERS",
     "SYNC_STRATEGIES",
     "TRANSPORTS",
+    "WALL_PHASES",
     "NodeBuffer",
     "StepReport",
     "SyncPlan",

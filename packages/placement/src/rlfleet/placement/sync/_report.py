@@ -2,10 +2,17 @@
 
 Plain data an executor fills in (policygroup) and a calibration reads (`fit_cost_model`). Measured
 phases use the names ``pack``, ``wire``, ``land``, ``commit``, ``control`` and ``wait_readers``.
+
+The steps are not the whole sync: before them an executor checks its workers and wires what
+changed, after them it collects the answers and applies the version (a rolling update drains,
+swaps and undrains each rollout worker). ``wall_seconds`` is the whole sync as its caller saw it,
+``wall_phases`` splits it into ``prepare``, ``steps``, ``collect`` and ``apply`` (they add up to
+it), and ``predicted_wall_seconds`` is the prediction of all of it (`predict_sync_wall`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -18,9 +25,11 @@ from rlfleet.placement._public import public
 if TYPE_CHECKING:
     from rlfleet.placement.sync._plan import SyncPlan
 
-__all__ = ["MEASURED_PHASES", "StepReport", "SyncReport"]
+__all__ = ["MEASURED_PHASES", "WALL_PHASES", "StepReport", "SyncReport"]
 
 MEASURED_PHASES: tuple[str, ...] = ("pack", "wire", "land", "commit", "control", "wait_readers")
+#: The parts of a whole sync, in order; they add up to `SyncReport.wall_seconds`.
+WALL_PHASES: tuple[str, ...] = ("prepare", "steps", "collect", "apply")
 
 
 def _seconds(value: object, what: str) -> float:
@@ -90,6 +99,9 @@ class SyncReport:
     measured_seconds: float
     predicted_seconds: float
     plan_digest: str
+    wall_seconds: float | None = None
+    wall_phases: Mapping[str, float] = field(default_factory=dict)
+    predicted_wall_seconds: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", tuple(self.steps))
@@ -99,6 +111,39 @@ class SyncReport:
         _seconds(self.predicted_seconds, "sync report predicted_seconds")
         if not self.ok and not self.error:
             raise SyncPlanError("a failed sync report must carry its error")
+        phases = {n: _seconds(v, f"sync report wall phase {n!r}") for n, v in self.wall_phases.items()}
+        object.__setattr__(self, "wall_phases", phases)
+        unknown = sorted(set(phases) - set(WALL_PHASES))
+        if unknown:
+            raise SyncPlanError(f"sync report: unknown wall phase(s) {unknown}; known: {list(WALL_PHASES)}")
+        if self.predicted_wall_seconds is not None:
+            _seconds(self.predicted_wall_seconds, "sync report predicted_wall_seconds")
+        if self.wall_seconds is not None:
+            wall = _seconds(self.wall_seconds, "sync report wall_seconds")
+            if phases and not math.isclose(sum(phases.values()), wall, rel_tol=1e-6, abs_tol=1e-9):
+                raise SyncPlanError(
+                    f"sync report: wall phases add up to {sum(phases.values()):.6f} s, not the "
+                    f"wall time {wall:.6f} s"
+                )
+
+    def with_wall(
+        self, phases: Mapping[str, float], predicted_wall_seconds: float | None = None
+    ) -> SyncReport:
+        """This report with the whole sync's phases (`WALL_PHASES`; their sum is the wall time)."""
+        phases = {name: float(v) for name, v in phases.items()}
+        return dataclasses.replace(
+            self,
+            wall_seconds=sum(phases.values()),
+            wall_phases=phases,
+            predicted_wall_seconds=predicted_wall_seconds,
+        )
+
+    @property
+    def wall_ratio(self) -> float | None:
+        """The whole sync's measured over predicted time (None when either is unknown)."""
+        if self.wall_seconds is None or not self.predicted_wall_seconds:
+            return None
+        return self.wall_seconds / self.predicted_wall_seconds
 
     @property
     def ratio(self) -> float:
@@ -112,10 +157,15 @@ class SyncReport:
         state = "ok" if self.ok else f"FAILED ({self.error})"
         ratio = f"{self.ratio:.2f}x" if math.isfinite(self.ratio) else "n/a"
         n = len(self.steps)
-        return (
+        line = (
             f"v{self.version} {state} {self.measured_seconds:.3g} s measured / "
             f"{self.predicted_seconds:.3g} s predicted ({ratio}), {n} step{'s' if n != 1 else ''}"
         )
+        if self.wall_seconds is not None:
+            predicted = self.predicted_wall_seconds
+            tail = "" if predicted is None else f" / {predicted:.3g} s predicted"
+            line += f"; whole sync {self.wall_seconds:.3g} s{tail}"
+        return line
 
     def matches(self, plan: SyncPlan) -> bool:
         """True when exactly the plan's steps were executed: same plan digest, same step indices."""
@@ -132,6 +182,9 @@ class SyncReport:
             "measured_seconds": self.measured_seconds,
             "predicted_seconds": self.predicted_seconds,
             "plan_digest": self.plan_digest,
+            "wall_seconds": self.wall_seconds,
+            "wall_phases": dict(self.wall_phases),
+            "predicted_wall_seconds": self.predicted_wall_seconds,
         }
 
     def to_json(self) -> str:
@@ -148,6 +201,9 @@ class SyncReport:
                 float(data["measured_seconds"]),
                 float(data["predicted_seconds"]),
                 str(data["plan_digest"]),
+                None if data.get("wall_seconds") is None else float(data["wall_seconds"]),
+                dict(data.get("wall_phases") or {}),
+                None if data.get("predicted_wall_seconds") is None else float(data["predicted_wall_seconds"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, SyncPlanError):

@@ -9,6 +9,7 @@ versions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import uuid
@@ -237,11 +238,15 @@ class PolicyGroup:
 
     def sync_weights(self) -> SyncReport | None:
         """Send the trainers' weights as the next version and apply it on every rollout worker;
-        returns the send's `SyncReport` (see `send_weights`)."""
+        returns its `SyncReport` (the steps, and the whole sync: ``wall_seconds`` with its
+        ``wall_phases`` and ``predicted_wall_seconds``); None when there is no rollout worker."""
         with self._lock:
-            report = self.send_weights()
+            sent = self.send_weights()
             self.notify_update_weights()
-            return report
+            if sent is None or self._sync.last is None:
+                return sent
+            self._sync.last = dataclasses.replace(self._sync.last, report=self._sync.report)
+            return self._sync.report
 
     def calibrate(self, syncs: int = 3, extra: Sequence[tuple[SyncReport, SyncPlan]] = ()) -> CostModel:
         """Measure the cost model's terms on this cluster and fit them to `syncs` real syncs of

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import rlfleet.policygroup.sync._run as run_steps
-from rlfleet.placement import SyncPlan, SyncReport, nodes_to_rewire
+from rlfleet.placement import SyncPlan, SyncReport, nodes_to_rewire, predict_sync_wall
 from rlfleet.policygroup._config import PolicyConfig
 from rlfleet.policygroup._errors import PolicyGroupError, TrainWorkerDiedError
 from rlfleet.policygroup.driver._calls import Calls, Policy, died_itself, is_dead, vagueness
@@ -65,6 +65,7 @@ class WeightSync:
         self.staged: int | None = None
         self.last: SyncOutcome | None = None
         self.report: SyncReport | None = None
+        self._steps_began = 0.0  # when the last attempt's steps began (time.time())
 
     @property
     def node_buffers(self) -> dict[Any, dict[str, Any]]:
@@ -154,7 +155,7 @@ class WeightSync:
 
         Every step of one attempt shares one deadline (``sync_timeout_s`` from its start); the
         retry for the survivors of a death is a second attempt with its own."""
-        roster, start = self.roster, time.perf_counter()
+        roster, start, begun = self.roster, time.perf_counter(), time.time()
         self.attempted = max(self.attempted, version)
         deadline_at = time.time() + self.config.sync_timeout_s
         if not roster.train_list:
@@ -182,6 +183,7 @@ class WeightSync:
                 self.wiring.names,
                 self._ipc_options(),
             )
+            self._steps_began = run.started
             results = run_steps.outcomes(run, self.calls, f"send_weights v{version}")
             failed = [(p, err) for p, (_, err) in results if err is not None]
             first = None if not failed else min(failed, key=lambda f: vagueness(f[1]))
@@ -192,14 +194,36 @@ class WeightSync:
                 if in_place:
                     self.applied(version)
                 self.staged = version
+                self._time_whole(run.started, begun)
                 return SyncOutcome(version, len(plan.steps), time.perf_counter() - start, gone, self.report)
             outcome = self._recover(version, failed, retry, start)
-            return dataclasses.replace(outcome, dropped=(*gone, *outcome.dropped))
+            self._time_whole(self._steps_began, begun)
+            return dataclasses.replace(outcome, dropped=(*gone, *outcome.dropped), report=self.report)
         finally:
             # whatever happened (a dead trainer, a failed retry, an interrupt), the router is left
             # as the send found it: the workers it drained are routed to again
             if drained:
                 self.rollouts.undrain(drained)
+
+    def _time_whole(self, steps_began: float, begun: float) -> None:
+        """Put the whole send in the report: before the steps that delivered the version (checks,
+        wiring, a failed first attempt), the steps, and after them (answers, bookkeeping)."""
+        report = self.report
+        if report is None:
+            return
+        steps = report.measured_seconds
+        phases = {
+            "prepare": max(0.0, steps_began - begun),
+            "steps": steps,
+            "collect": max(0.0, time.time() - steps_began - steps),
+            "apply": 0.0,
+        }
+        self.report = report.with_wall(phases, self._predicted_wall(apply=False))
+
+    def _predicted_wall(self, apply: bool) -> float | None:
+        if self.plan is None:
+            return None
+        return sum(predict_sync_wall(self.plan, self.config.cost_model, apply=apply).values())
 
     def _ipc_options(self) -> dict[str, Any]:
         """What a cuda_ipc step's channel is made with: backend, the group's bucket size, checksums."""
@@ -259,6 +283,17 @@ class WeightSync:
         version = self.staged
         if version is None or version <= self.version:
             return
+        began = time.time()
+        try:
+            self._apply_rolling(version)
+        finally:
+            report = self.report
+            if report is not None and report.version == version and report.wall_seconds is not None:
+                phases = {**report.wall_phases, "apply": time.time() - began}
+                self.report = report.with_wall(phases, self._predicted_wall(apply=True))
+        self.version = version
+
+    def _apply_rolling(self, version: int) -> None:
         comm = self.wiring.comm
         if self.strategy == "Sharded" and comm is not None:
             by_pid = self.processes.by_pid()
@@ -268,7 +303,6 @@ class WeightSync:
         elif self.strategy != "None":
             for p in list(self.roster.eval_list):
                 self._apply_together([p], version, None)
-        self.version = version
 
     def _apply_together(self, policies: list[Policy], version: int, group_id: str | None) -> None:
         if not policies:
