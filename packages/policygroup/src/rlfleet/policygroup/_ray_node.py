@@ -34,11 +34,26 @@ def gpu_ids() -> list[int]:
 
 
 def was_restarted() -> bool:
-    """True in a Ray actor that Ray restarted after its process died."""
+    """True in a Ray actor that Ray restarted after its process died.
+
+    Ray's own ``RuntimeContext.was_current_actor_reconstructed`` reads its deprecated
+    ``actor_id`` property, so every actor printed a RayDeprecationWarning: this asks the same
+    actor table by ``get_actor_id()`` instead.
+    """
     ray = _ray()
-    if ray is None or ray.get_runtime_context().get_actor_id() is None:  # not in an actor
+    actor_id = None if ray is None else ray.get_runtime_context().get_actor_id()
+    if actor_id is None:  # not in an actor
         return False
-    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    try:
+        from ray._private.state import actors
+    except ImportError:  # a Ray that moved it: the public property, its warning silenced
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    info = actors(actor_id=actor_id)
+    return bool(info) and info["NumRestarts"] != 0
 
 
 def ray_nodes() -> list[dict[str, Any]]:

@@ -22,7 +22,11 @@ what a failure costs:
   and `on_partial` is called, so the engine is told. The next complete version repairs it.
 
 Either way a partly loaded engine is never reported as holding a version: `version` moves only
-when ``load_weights`` and ``finalize`` both returned.
+when ``load_weights`` and ``finalize`` both returned. The transport's receive raises its own
+error (`SyncAbortedError`, `PeerLostError`, ...), never the `PartialLoadError`: that one is in
+`last_error` and reaches `on_partial`. `last_error` is the error of the last failed version and
+is cleared (None) once a later version is applied whole, so a stale error never outlives the
+repair.
 """
 
 from __future__ import annotations
@@ -259,6 +263,7 @@ class LoadWeightsConsumer(BufferBase):
                     mode=self.mode,
                 ) from exc
         self.torn = False
+        self.last_error = None  # the engine holds this whole version: an earlier failure is repaired
         self._prepared = None
         if not self.keep_staging:
             self._staging = None
