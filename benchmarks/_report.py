@@ -40,8 +40,9 @@ def main(paths: list[str]) -> int:
             ok = c.get("ok")
             failed += ok is False
             mark = "yes" if ok else ("skipped" if ok is None else "**no**")
+            target = "report" if c.get("target") is None else _fmt(c.get("target"))  # no target: reported
             print(
-                f"| {Path(path).stem} | `{name}` | {_fmt(c.get('value'))} | {_fmt(c.get('target'))} "
+                f"| {Path(path).stem} | `{name}` | {_fmt(c.get('value'))} | {target} "
                 f"| {c.get('unit', '')} | {mark} |"
             )
     return 1 if failed and "--strict" in sys.argv else 0
