@@ -25,6 +25,7 @@ from rlfleet.weightsync import (
     Layout,
     MemberGroup,
     RecordingConsumer,
+    SharesReceiver,
     checksum,
 )
 
@@ -204,4 +205,32 @@ def _receive_shares(
     out["v4"] = both(shares, deadline=20.0)
     out["v4_seconds"] = time.monotonic() - start
     out["broken"] = {s: receivers[s].broken for s in SENDERS}
+    return out
+
+
+# -- senders that announce different versions -------------------------------------------------
+def scenario_mixed_versions(rank: int, world: int, port: int) -> dict[str, Any]:
+    """v1 from both senders; then sender a announces 2 while sender b announces 3 (each with its
+    share of its own version); then 4 from both. Receivers take each version with a
+    `SharesReceiver` (one receive per sender's group, in threads) into a DoubleBuffer."""
+    store = member_store(rank)
+    layout = w.layout_of(w.make_state(0), bucket=8 * 1024)
+    shares = shares_of(layout)
+    groups = _groups(rank, store)
+    out: dict[str, Any] = {}
+    if rank in (0, 1):
+        sender = SENDERS[rank]
+        tx = BroadcastSender(layout, groups[sender], 0, checksums=True, direct_min=w.DIRECT_MIN)
+        for label, version in (("v1", 1), ("mixed", 2 + rank), ("v4", 4)):
+            out[label] = w.outcome(
+                lambda v=version: tx.send(w.make_state(v), v, DEADLINE, buckets=shares[sender]).version
+            )
+        out["broken"] = tx.broken
+    else:
+        buffer = DoubleBuffer({k: v.clone() for k, v in w.make_state(0).items()}, layout)
+        parts = [(s, BroadcastReceiver(layout, groups[s], 0), shares[s]) for s in SENDERS]
+        for label in ("v1", "mixed", "v4"):
+            out[label] = _received(w.outcome(lambda: SharesReceiver(parts).receive(buffer, DEADLINE)), buffer)
+        out["broken"] = {s: rx.broken for s, rx, _ in parts}
+    finish(store, rank, [0, 1, *RECEIVERS])
     return out

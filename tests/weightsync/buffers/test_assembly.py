@@ -186,3 +186,66 @@ def test_recording_consumer_records_and_fails_on_request() -> None:
     assert consumer.version == 1
     with pytest.raises(VersionError):
         consumer.begin(1)
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_parts_that_announce_different_versions_fail_it_and_nothing_commits(first: str) -> None:
+    """Every share of one version carries that version: a part announcing another one is refused
+    (naming both senders), the part already in the version fails too, and nothing commits."""
+    layout = _layout()
+    shares = _halves(layout)
+    inner = DoubleBuffer(w.zeros_like_layout(layout), layout)
+    assembly = Assembly(inner, shares)
+    second = "b" if first == "a" else "a"
+    versions = {first: 5, second: 6}
+    assembly.part(first).begin(versions[first])
+    words = rf"sender '{second}' announces version {versions[second]}"
+    with pytest.raises(VersionError, match=words) as info:
+        assembly.part(second).begin(versions[second])
+    assert f"sender '{first}'" in str(info.value)
+    with pytest.raises(SyncAbortedError, match="cannot be assembled"):
+        _feed(assembly.part(first), w.make_state(versions[first]), shares[first])
+    with pytest.raises((SyncAbortedError, VersionError)):
+        assembly.part(first).prepare_commit(versions[first], 1.0)
+    assembly.part(first).abort(SyncAbortedError("the transport aborts the part"))
+    assert inner.version == -1
+    assert inner.pending_version is None
+    assert checksum(inner.live) == checksum(w.zeros_like_layout(layout))
+    for name in shares:  # the next version, from both, goes through
+        part = assembly.part(name)
+        part.begin(7)
+        _feed(part, w.make_state(7), shares[name])
+    assembly.prepare_commit(7, 5.0)
+    assembly.commit(7)
+    assert checksum(inner.live) == checksum(w.make_state(7))
+
+
+def test_a_part_does_not_take_another_parts_version_when_it_never_began() -> None:
+    layout = _layout()
+    shares = _halves(layout)
+    assembly = Assembly(RecordingConsumer(layout), shares)
+    assembly.part("a").begin(1)
+    with pytest.raises((SyncAbortedError, VersionError), match="sender 'b'"):
+        _feed(assembly.part("b"), w.make_state(1), shares["b"][:1])  # b never began version 1
+
+
+def test_a_single_version_assembly_fails_fast_once_a_part_could_not_begin() -> None:
+    """`once=True` (what SharesReceiver makes per receive): every part must announce the first
+    part's version, and once the inner consumer refused that version the other parts fail at
+    once instead of trying (and waiting) again."""
+    layout = _layout()
+    shares = _halves(layout)
+    inner = RecordingConsumer(layout)
+    inner.begin(0)
+    _feed(inner, w.make_state(0), [b.index for b in layout.buckets])
+    inner.commit(0)
+    assembly = Assembly(inner, shares, once=True)
+    with pytest.raises(VersionError, match="not newer"):
+        assembly.part("a").begin(0)  # the inner consumer refuses a stale version
+    with pytest.raises(SyncAbortedError, match="already failed"):
+        assembly.part("b").begin(0)
+    fresh = Assembly(RecordingConsumer(layout), shares, once=True)
+    fresh.part("a").begin(3)
+    fresh.part("a").abort(SyncAbortedError("its sender died"))
+    with pytest.raises(VersionError, match="sender 'b' announces version 4"):
+        fresh.part("b").begin(4)  # still the same receive: version 3 or nothing

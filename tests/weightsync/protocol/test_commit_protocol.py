@@ -135,3 +135,28 @@ def test_a_sender_killed_mid_version_leaves_the_previous_version_everywhere(two:
         assert got["checksum"] == _expected(3)
         assert two[rank]["v4_seconds"] < 20.0 + 5.0
         assert two[rank]["broken"]["a"] is None  # sender a's group is still in step
+
+
+# -- senders that announce different versions ------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_shares_of_different_versions_commit_nothing_and_every_sender_is_told() -> None:
+    """Sender a announces version 2 and sender b version 3, each its own share: no receiver
+    commits either (a "v3" holding a's v2 share must never exist), both senders are told the
+    version failed, and the groups carry the next version from both."""
+    mixed = w.run_ranks(cw.scenario_mixed_versions, 4, timeout=240.0)
+    for rank in (0, 1):
+        assert mixed[rank]["v1"]["ok"], mixed[rank]["v1"]
+        assert not mixed[rank]["mixed"]["ok"], f"sender {rank} was told a mixed version committed"
+        assert mixed[rank]["v4"]["ok"], mixed[rank]["v4"]
+        assert mixed[rank]["broken"] is None
+    for rank in cw.RECEIVERS:
+        got = mixed[rank]
+        assert got["v1"]["applied"] == 1
+        assert got["mixed"]["type"] == "VersionError", got["mixed"]
+        assert "sender 'a'" in got["mixed"]["message"]
+        assert "sender 'b'" in got["mixed"]["message"]
+        assert got["mixed"]["applied"] == 1
+        assert got["mixed"]["checksum"] == _expected(1)
+        assert got["v4"]["ok"], got["v4"]
+        assert (got["v4"]["applied"], got["v4"]["checksum"]) == (4, _expected(4))
+        assert got["broken"] == {"a": None, "b": None}

@@ -13,6 +13,13 @@ sender died, a checksum, a missing bucket) fails the version in every part, and 
 votes no in every group: every receiver keeps the previous version. When the last part's
 group has voted yes, the inner consumer commits.
 
+Every share of one version carries that version: a part that announces another version than
+the one pending (sender a sends v5, sender b v6) is refused with a `VersionError` naming both,
+and the pending version fails in every part, so no receiver commits a mix and every sender is
+told. A `SharesReceiver` makes one assembly per receive (``once=True``): there, every part
+must announce the first part's version, and once that version could not begin the other parts
+fail at once.
+
 One window stays, as in any two-phase commit: if a sender dies after another sender's group
 committed (every rank had voted yes there, so every bucket of every share had arrived and
 was verified), the assembly commits rather than aborts, so that a receiver never drops a
@@ -79,19 +86,27 @@ class Assembly:
     `inner`'s layout. `part(sender)` is the consumer that sender's receive feeds. The version
     commits when every part's group has voted yes; `commit(version)` (or `prepare_commit`)
     checks it explicitly and raises `IncompleteSyncError` naming the senders whose buckets are
-    missing. An abort of any part aborts `inner`: the previous version stays applied.
+    missing. An abort of any part aborts `inner`: the previous version stays applied. Parts
+    announcing different versions fail the pending one (`VersionError`); ``once=True`` makes the
+    assembly take a single version (one receive): every part must announce the first one's.
     """
 
-    def __init__(self, inner: BucketConsumer, shares: Mapping[str, Sequence[int]]) -> None:
+    def __init__(
+        self, inner: BucketConsumer, shares: Mapping[str, Sequence[int]], *, once: bool = False
+    ) -> None:
         self.inner = inner
         self.layout: Layout = inner.layout
         self.shares = _check_shares(inner.layout, shares)
+        self.once = once
         self._cond = threading.Condition()
         self._inner_lock = threading.RLock()  # every call into `inner`, one at a time
         self._pending: int | None = None
         self._failure: BaseException | None = None
         self._received: dict[str, set[int]] = {s: set() for s in self.shares}
         self._committed: set[str] = set()
+        self._active: set[str] = set()  # parts in the pending version that have not ended
+        self._ended: set[str] = set()  # parts that took part in it and ended (or never began)
+        self._announced: tuple[str, int] | None = None  # once: the first part's version
         self._prepare_state = "no"  # "no" | "running" | "done"
         self._parts = {s: AssemblyPart(self, s) for s in self.shares}
 
@@ -112,11 +127,13 @@ class Assembly:
     # -- what the parts call ---------------------------------------------------------------
     def _begin(self, sender: str, version: int) -> None:
         with self._cond:
-            if self._pending == version:
+            self._check_once(sender, version)
+            if self._pending is not None and not self._new_round(sender, version):
                 if self._failure is not None:
                     raise SyncAbortedError(
                         f"version {version} already failed in another part: {self._failure}"
                     )
+                self._active.add(sender)
                 return
             if self._pending is not None and self._failure is None:
                 _log.warning(
@@ -125,12 +142,59 @@ class Assembly:
                 self._abort_inner(
                     SyncAbortedError(f"version {version} began before {self._pending} completed")
                 )
-            with self._inner_lock:
-                self.inner.begin(version)
-            self._pending, self._failure = version, None
             self._received = {s: set() for s in self.shares}
-            self._committed = set()
-            self._prepare_state = "no"
+            self._committed, self._prepare_state = set(), "no"
+            self._pending, self._failure = version, None
+            self._active, self._ended = set(), {sender}
+            try:
+                with self._inner_lock:
+                    self.inner.begin(version)
+            except BaseException as exc:  # the other parts of this version fail at once
+                self._failure = exc
+                raise
+            self._ended.discard(sender)
+            self._active.add(sender)
+
+    def _new_round(self, sender: str, version: int) -> bool:
+        """Whether `sender`'s part starts a new version rather than joining the pending one.
+
+        A sender takes part in a version once: one that took part and ended has moved on (a new
+        version, once no other part is still in the pending one). A part joining announces the
+        pending version, or starts the next one when the pending one failed and no part is left
+        in it; any other version is a mismatch: VersionError, and the pending version fails.
+        """
+        others = sorted(self._active - {sender})
+        if sender in self._active and version == self._pending and self._failure is not None:
+            return False  # the same part again, before it ended: the failed version stays failed
+        if sender in self._active or sender in self._ended:
+            if others:
+                raise self._mismatch(sender, version, others[0])
+            return True
+        if version == self._pending:
+            return False
+        if self._failure is not None and not others:
+            return True
+        someone = [*others, *sorted(self._ended - {sender})] or ["(another part)"]
+        raise self._mismatch(sender, version, someone[0])
+
+    def _check_once(self, sender: str, version: int) -> None:
+        """`once`: every part announces the version the first part announced."""
+        if not self.once:
+            return
+        if self._announced is None:
+            self._announced = (sender, version)
+        elif self._announced[1] != version:
+            raise self._mismatch(sender, version, *self._announced)
+
+    def _mismatch(self, sender: str, version: int, other: str, theirs: int | None = None) -> VersionError:
+        """The pending version fails: `sender` announces `version`, `other` another one."""
+        theirs = self._pending if theirs is None else theirs
+        error = VersionError(
+            f"sender {sender!r} announces version {version} while sender {other!r}'s share is of "
+            f"version {theirs}: every share of one version must carry that version; neither is applied"
+        )
+        self._fail(error)
+        return error
 
     def _check_pending(self, sender: str, version: int | None = None) -> int:
         if self._pending is None or (version is not None and version != self._pending):
@@ -144,6 +208,10 @@ class Assembly:
     def _consume(self, sender: str, index: int, data: torch.Tensor) -> None:
         with self._cond:
             self._check_pending(sender)
+            if sender not in self._active:
+                raise SyncAbortedError(
+                    f"bucket {index} from sender {sender!r}, whose part did not begin version {self._pending}"
+                )
             if index not in self.shares[sender]:
                 raise MetadataError(
                     f"bucket {index!r} is not in sender {sender!r}'s share {list(self.shares[sender])}"
@@ -224,6 +292,9 @@ class Assembly:
         with self._cond:
             if self._pending is None:
                 return
+            if sender in self._active:
+                self._active.discard(sender)
+                self._ended.add(sender)
             if self._committed and self._prepare_state == "done" and not self._missing():
                 version = self._pending
                 _log.warning(
@@ -284,6 +355,7 @@ class Assembly:
             self._check_pending("(assembly)", version)
             self.inner.commit(version)
             self._pending = None
+            self._active, self._ended = set(), set()
             self._cond.notify_all()
 
     def abort(self, error: BaseException) -> None:

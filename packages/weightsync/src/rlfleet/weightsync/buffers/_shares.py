@@ -119,7 +119,7 @@ class SharesReceiver:
             sender, receiver, buckets = self.parts[0]
             return self._one(sender, receiver, timed, buckets, deadline)
         shares = {s: list(b) if b is not None else [] for s, _, b in self.parts}
-        assembly = Assembly(timed, shares)
+        assembly = Assembly(timed, shares, once=True)  # one receive, one version from every sender
         errors: list[BaseException] = []
         versions: list[int] = []
 
