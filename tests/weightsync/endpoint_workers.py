@@ -117,3 +117,53 @@ def scenario_endpoints(rank: int, world: int, port: int) -> dict[str, Any]:
     if writer is not None:
         writer.close()
     return out
+
+
+#: (version the sender announces, version every endpoint asks for) per round: two rounds where
+#: the sender announces v9, one asked while no endpoint holds the asked version and one while
+#: every endpoint already holds it (the retry path that drops the bytes).
+ANNOUNCED = ((1, 1), (9, 5), (6, 6), (9, 6), (7, 7))
+
+
+def scenario_announced_version(rank: int, world: int, port: int) -> dict[str, Any]:
+    """The sender announces another version than the endpoints ask for: nothing may land."""
+    w.init(rank, world, port)
+    sharded_group = dist.new_group([4, 5])
+    lay = layout()
+    writer = SharedBuffer(lay, 2, timeout_s=DEADLINE) if rank == 3 else None
+    node_buffer = _name_round(writer.name if writer is not None else None, 3)
+    out: dict[str, Any] = {"rounds": []}
+    if rank == 0:
+        sender = BroadcastSender(lay, None, 0)
+        for announced, _ in ANNOUNCED:
+            out["rounds"].append(w.outcome(lambda v=announced: sender.send(state(v), v, DEADLINE).version))
+            dist.barrier()
+        dist.barrier()
+        return out
+    module = make_module(0)
+    endpoint = create_endpoint(
+        STRATEGY[rank],
+        module,
+        lay,
+        node_buffer=node_buffer if rank == 3 else None,
+        node_writer=writer,
+        shard=(rank - 4, 2) if rank >= 4 else None,
+    )
+    receiver = BroadcastReceiver(lay, None, 0)
+    for _, asked in ANNOUNCED:
+        got = w.outcome(lambda v=asked: endpoint.receive(receiver, v, DEADLINE))
+        got["received"] = _report(module, endpoint)
+        if writer is not None:
+            got["node_buffer"] = writer.latest_version()
+        if got["ok"]:
+            endpoint.apply(asked, DEADLINE, group=sharded_group)
+        elif rank >= 4:  # the Sharded pair applies together or not at all
+            endpoint.apply(None, DEADLINE, group=sharded_group)
+        got["applied"] = _report(module, endpoint)
+        out["rounds"].append(got)
+        dist.barrier()
+    endpoint.release()
+    dist.barrier()
+    if writer is not None:
+        writer.close()
+    return out

@@ -270,3 +270,35 @@ def test_module_part_buffer_resumes_the_version_and_names_a_mismatch() -> None:
     ) as info:
         module_part_buffer(module, other, version=0, who="generation worker 1")
     assert info.value.parameter == "0.weight"
+
+
+@pytest.mark.timeout(300)
+def test_a_version_other_than_the_one_asked_for_lands_nowhere() -> None:
+    """`receive(transport, 5)` from a sender announcing v9 refuses v9 before any byte lands, on
+    every strategy: "None" keeps serving what it had (and the next honest version is applied),
+    "Shared" never commits v9 to the node buffer, "Double"/"Sharded" stage nothing; the same when
+    the endpoint already holds the asked version (the retry path that drops the bytes)."""
+    results = w.run_ranks(ew.scenario_announced_version, 6, timeout=240.0)
+    sent = results[0]["rounds"]
+    for index, (announced, asked) in enumerate(ew.ANNOUNCED):
+        if announced == asked:
+            assert sent[index]["ok"], sent[index]
+        else:
+            assert sent[index]["type"] == "VersionError", sent[index]  # the sender is told
+    for rank in range(1, 6):
+        rounds = results[rank]["rounds"]
+        held = 0
+        for index, (announced, asked) in enumerate(ew.ANNOUNCED):
+            got = rounds[index]
+            if announced == asked:
+                assert got["ok"], (rank, got)
+                held = asked
+            else:
+                assert got["type"] == "VersionError", (rank, got)
+                assert f"v{asked}" in got["message"] or f"version {asked}" in got["message"], got
+                assert got["received"]["staged"] in (None, held), (rank, got)
+                if "node_buffer" in got:
+                    assert got["node_buffer"] == held, (rank, got)  # v9 never in the node buffer
+            applied = got["applied"]
+            assert applied["version"] == held, (rank, index, got)
+            assert applied["checksum"] == checksum(ew.state(held)), (rank, index, got)

@@ -5,7 +5,12 @@ buffer (deferred commit, discard), and storage-level offload of a module or opti
 
 from rlfleet.weightsync.buffers._assembly import Assembly, AssemblyPart
 from rlfleet.weightsync.buffers._buffers import BufferBase, DirectBuffer, DoubleBuffer
-from rlfleet.weightsync.buffers._consumers import DeferredCommit, DiscardingConsumer, module_part_buffer
+from rlfleet.weightsync.buffers._consumers import (
+    DeferredCommit,
+    DiscardingConsumer,
+    ExpectedVersion,
+    module_part_buffer,
+)
 from rlfleet.weightsync.buffers._offload import (
     OffloadStats,
     is_offloaded,
@@ -27,6 +32,7 @@ __all__ = [
     "DirectBuffer",
     "DiscardingConsumer",
     "DoubleBuffer",
+    "ExpectedVersion",
     "OffloadStats",
     "RecordingConsumer",
     "ServingLock",

@@ -6,6 +6,9 @@
 - `DeferredCommit`: stages through an inner buffer and leaves the inner commit for later. A
   transport commits every receiver when the transfer ends; a rolling update wants the transfer
   finished everywhere first and each receiver's swap later, while that receiver is drained.
+- `ExpectedVersion`: takes only the version the receiver asked for. A transport's sender
+  announces the version; a receiver asked for another one refuses it at `begin`, before any
+  byte lands, instead of applying it and noticing afterwards.
 - `module_part_buffer`: a Double buffer over the part of a module a layout names (one rank's
   shards of a resharded model), resuming at the module's version.
 """
@@ -23,7 +26,7 @@ from rlfleet.weightsync.layout._block import live_tensors
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
 
-__all__ = ["DeferredCommit", "DiscardingConsumer", "module_part_buffer"]
+__all__ = ["DeferredCommit", "DiscardingConsumer", "ExpectedVersion", "module_part_buffer"]
 
 
 class DiscardingConsumer:
@@ -117,6 +120,55 @@ class DeferredCommit:
     def abort(self, error: BaseException) -> None:
         with self._lock:
             self.staged, self._pending, self._arrived = None, None, set()
+        self.inner.abort(error)
+
+
+class ExpectedVersion:
+    """`inner`, taking only `expected`: a sender announcing any other version is refused at
+    `begin` (`VersionError`, before any byte lands; the transport then tells the sender), and
+    everything else goes to `inner` (its landing zones and two-phase commit included)."""
+
+    def __init__(self, inner: BucketConsumer, expected: int, who: str = "receiver") -> None:
+        self.inner = inner
+        self.expected = expected
+        self.who = who
+
+    @property
+    def layout(self) -> Layout:
+        return self.inner.layout
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def begin(self, version: int) -> None:
+        if version != self.expected:
+            raise VersionError(
+                f"{self.who}: asked for version {self.expected}, the sender announces version {version}: "
+                "refused before any byte landed"
+            )
+        self.inner.begin(version)
+
+    def consume(self, index: int, data: torch.Tensor) -> None:
+        self.inner.consume(index, data)
+
+    def bucket_target(self, index: int) -> torch.Tensor | None:
+        target = getattr(self.inner, "bucket_target", None)
+        return None if target is None else target(index)
+
+    def tensor_target(self, name: str) -> torch.Tensor | None:
+        target = getattr(self.inner, "tensor_target", None)
+        return None if target is None else target(name)
+
+    def prepare_commit(self, version: int, deadline: Deadline | float | None = None) -> None:
+        prepare = getattr(self.inner, "prepare_commit", None)
+        if prepare is not None:
+            prepare(version, deadline)
+
+    def commit(self, version: int) -> None:
+        self.inner.commit(version)
+
+    def abort(self, error: BaseException) -> None:
         self.inner.abort(error)
 
 

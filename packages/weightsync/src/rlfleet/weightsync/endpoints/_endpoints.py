@@ -29,7 +29,7 @@ import torch
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import VersionError, WeightSyncError
 from rlfleet.weightsync.buffers._buffers import DirectBuffer, DoubleBuffer, ServingLock
-from rlfleet.weightsync.buffers._consumers import DeferredCommit, DiscardingConsumer
+from rlfleet.weightsync.buffers._consumers import DeferredCommit, DiscardingConsumer, ExpectedVersion
 from rlfleet.weightsync.buffers._sharded import ShardedBuffer
 from rlfleet.weightsync.endpoints._strategy import WeightBufferStrategy, check_strategy
 from rlfleet.weightsync.layout._block import adopt, live_tensors
@@ -183,15 +183,16 @@ class _Endpoint:
         self, transport: TransportReceiver, version: int, deadline: Deadline | float | None = None
     ) -> int:
         """Take `version` from a transport; a version already held is received and dropped (the
-        collective needs every member), anything else is staged (or, "None", applied)."""
+        collective needs every member), anything else is staged (or, "None", applied). A sender
+        announcing another version is refused before any byte lands (`VersionError`)."""
         self._applied.clear()
         deadline = Deadline.coerce(deadline)
         if self.has(version):
-            transport.receive(DiscardingConsumer(self.layout, version), deadline)
+            transport.receive(self._only(DiscardingConsumer(self.layout, version), version), deadline)
             self._held(version)
             self._applied.set()
             return version
-        got = _version_of(self._receive(transport, deadline))
+        got = _version_of(self._receive(transport, version, deadline))
         if got != version:
             raise VersionError(f"{self!r}: expected v{version}, got v{got}")
         return got
@@ -222,6 +223,10 @@ class _Endpoint:
         if node is not None:
             node.close()
 
+    def _only(self, consumer: BucketConsumer, version: int) -> BucketConsumer:
+        """`consumer`, refusing any version but `version` at its begin (before a byte lands)."""
+        return ExpectedVersion(consumer, version, repr(self))
+
     # -- strategy hooks -------------------------------------------------------------------
     def _held(self, version: int) -> None:
         pass
@@ -229,7 +234,7 @@ class _Endpoint:
     def _stage_from(self, reader: SharedBufferReader, version: int, deadline: Deadline) -> None:
         raise NotImplementedError
 
-    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
+    def _receive(self, transport: TransportReceiver, version: int, deadline: Deadline) -> Any:
         raise NotImplementedError
 
     def _make_live(self, version: int, deadline: Deadline, group: Any) -> None:
@@ -272,9 +277,9 @@ class DirectEndpoint(_BufferedEndpoint):
         super()._stage_from(reader, version, deadline)
         self.apply(version)
 
-    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
+    def _receive(self, transport: TransportReceiver, version: int, deadline: Deadline) -> Any:
         with self.serving_lock.exclusive(deadline):  # in place: the worker was drained first
-            result = transport.receive(self._buffer, deadline)
+            result = transport.receive(self._only(self._buffer, version), deadline)
             self._version, self._staged = _version_of(result), None
             self._applied.set()
         return result
@@ -290,8 +295,8 @@ class DoubleEndpoint(_BufferedEndpoint):
         live = live_tensors(module)
         self._buffer = DoubleBuffer(live, layout, mode="swap", commit_timeout_s=self.commit_timeout_s)
 
-    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
-        result = transport.receive(DeferredCommit(self._buffer), deadline)
+    def _receive(self, transport: TransportReceiver, version: int, deadline: Deadline) -> Any:
+        result = transport.receive(self._only(DeferredCommit(self._buffer), version), deadline)
         self._staged = _version_of(result)
         return result
 
@@ -344,10 +349,10 @@ class SharedEndpoint(_Endpoint):
         if version > self._version:  # in the node buffer already, not yet bound here
             self._staged = version
 
-    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
+    def _receive(self, transport: TransportReceiver, version: int, deadline: Deadline) -> Any:
         if self._writer is None:
             raise WeightSyncError(f"{self!r} does not write its node's buffer: it reads it (stage_from_node)")
-        result = transport.receive(self._writer, deadline)
+        result = transport.receive(self._only(self._writer, version), deadline)
         self._staged = _version_of(result)
         return result
 
@@ -383,8 +388,8 @@ class ShardedEndpoint(_Endpoint):
             reader.copy_version(version, self._shares, deadline)
         self._staged = version
 
-    def _receive(self, transport: TransportReceiver, deadline: Deadline) -> Any:
-        result = transport.receive(self._shares, deadline)  # keeps only this member's buckets
+    def _receive(self, transport: TransportReceiver, version: int, deadline: Deadline) -> Any:
+        result = transport.receive(self._only(self._shares, version), deadline)  # this member's buckets
         self._staged = _version_of(result)
         return result
 
