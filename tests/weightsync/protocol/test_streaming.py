@@ -15,15 +15,20 @@ from typing import Any
 import pytest
 import shm_workers as shm
 import streaming_workers as s
+import torch
 import weightsync_dist_workers as w
 
 from rlfleet.weightsync import (
+    DoubleBuffer,
+    Layout,
     LayoutMismatchError,
+    LoadWeightsConsumer,
     SharedBuffer,
     SharedBufferReader,
     ShmRingSender,
     WeightStream,
     checksum,
+    feed,
 )
 from rlfleet.weightsync.protocol._stream import StreamCursor
 
@@ -257,3 +262,63 @@ def test_fsdp2_trainer_streams_over_broadcast_and_ring_bit_exact() -> None:
                 assert seen["ok"], (rank, seen)
                 assert seen["applied"] == version
             assert seen["bit_exact"], (rank, version)
+
+
+def _twice_after_its_bucket(layout: Layout, version: int, company: bool) -> tuple[str, list[tuple[str, Any]]]:
+    """A stream of `version` in which one parameter comes again once its bucket was complete and
+    handed over, with another value (the one that would win if it were taken): the parameter
+    shares its bucket with others (`company`: the repeat leaves the bucket open) or not."""
+    good = list(w.make_state(version).items())
+    name = next(
+        b.tensors[0].name
+        for b in layout.buckets
+        if (len(b.tensors) > 1) == company and b.index < len(layout.buckets) - 1
+    )
+    tensor = dict(good)[name]
+    again = (name, ~tensor if tensor.dtype == torch.bool else torch.full_like(tensor, 7))
+    return name, [*good[:-1], again, good[-1]]
+
+
+@pytest.mark.parametrize("company", [True, False], ids=["bucket_of_several", "bucket_of_its_own"])
+@pytest.mark.parametrize(
+    "consumer", ["SharedBuffer", "DoubleBuffer", "load_weights staged", "load_weights stream"]
+)
+def test_a_parameter_named_twice_in_a_fed_stream_is_refused_and_nothing_applied(
+    consumer: str, company: bool
+) -> None:
+    """`feed` into a node buffer, a Double buffer and an engine's load_weights: a name that comes
+    a second time, after its bucket was complete, is a LayoutMismatchError naming it; the version
+    is not committed (the previous one stays, bit-exact) and the engine is never called."""
+    layout = w.layout_of(w.make_state(0), s.BUCKET)
+    name, stream = _twice_after_its_bucket(layout, 2, company)
+    loaded: list[str] = []
+    target: Any
+    if consumer == "SharedBuffer":
+        target = SharedBuffer(layout, 1)
+        target.publish(w.make_state(1), 1, 10.0)
+    elif consumer == "DoubleBuffer":
+        target = DoubleBuffer({k: v.clone() for k, v in w.make_state(1).items()}, layout)
+        feed(target, w.make_state(1).items(), 1, 10.0)
+    else:
+        target = LoadWeightsConsumer(
+            layout, lambda pairs: loaded.extend(n for n, _ in pairs), mode=consumer.split()[-1]
+        )
+        feed(target, w.make_state(1).items(), 1, 10.0)
+        loaded.clear()
+    try:
+        with pytest.raises(LayoutMismatchError, match="twice") as info:
+            feed(target, iter(stream), 2, 10.0)
+        assert info.value.parameter == name
+        assert target.version == 1
+        if consumer == "SharedBuffer":
+            assert target.latest_version() == 1
+            with SharedBufferReader.attach(target.name) as reader:
+                reader.refresh(10.0)
+                assert checksum(reader.tensors()) == checksum(w.make_state(1))
+        elif consumer == "DoubleBuffer":
+            assert checksum(target.live) == checksum(w.make_state(1))
+        elif consumer.endswith("staged"):
+            assert loaded == []  # the engine never saw version 2
+    finally:
+        if isinstance(target, SharedBuffer):
+            target.close()

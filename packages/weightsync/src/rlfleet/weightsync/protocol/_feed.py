@@ -70,6 +70,7 @@ class _OpenBuckets:
         self.missing: dict[int, set[str]] = {}
         self.own: dict[int, torch.Tensor] = {}  # buckets packed into a buffer of ours, by index
         self.spare: torch.Tensor | None = None  # a finished bucket's buffer, reused for the next
+        self.seen: set[str] = set()  # every name placed, its bucket open or handed over
 
     def place(self, name: str, tensor: torch.Tensor) -> int:
         """Copy `tensor` into its bucket; returns the bucket index."""
@@ -80,12 +81,13 @@ class _OpenBuckets:
                 f"layout says {spec.dtype} {spec.shape}",
                 name,
             )
+        if name in self.seen:  # before anything is written: its bucket may be handed over already
+            raise LayoutMismatchError(f"parameter {name!r} appears twice in the stream", name)
+        self.seen.add(name)
         index = spec.bucket
         if index not in self.missing:
             self.missing[index] = {t.name for t in self.layout.buckets[index].tensors}
             self.buffers[index] = self._open(index)
-        if name not in self.missing[index]:
-            raise LayoutMismatchError(f"parameter {name!r} appears twice in the stream", name)
         self.missing[index].discard(name)
         if spec.nbytes:
             with torch.no_grad():
@@ -129,9 +131,10 @@ def feed(
     """Hand `weights` to `consumer` as `version`, bucket by bucket, then commit it.
 
     Every name of the consumer's layout must come exactly once, with the layout's shape and
-    dtype, in any order (the layout's order keeps one bucket open at a time). On any error the
-    consumer is aborted (its applied version stays) and the error is raised, naming the
-    parameter. Returns the version committed.
+    dtype, in any order (the layout's order keeps one bucket open at a time); a name that comes
+    again is refused before its second tensor is written anywhere. On any error the consumer is
+    aborted (its applied version stays) and the error is raised, naming the parameter. Returns
+    the version committed.
     """
     deadline = Deadline.coerce(deadline)
     with caller_deadline(deadline):  # a consumer's begin waits under this sync's deadline
