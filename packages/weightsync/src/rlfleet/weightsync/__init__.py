@@ -189,6 +189,8 @@ from rlfleet.weightsync.shm import (
     cleanup_stale_segments,
     install_termination_cleanup,
     process_alive,
+    process_identity,
+    register_termination_cleanup,
 )
 
 __all__ = [
@@ -333,6 +335,8 @@ __all__ = [
     "plan_transforms",
     "probe_layout",
     "process_alive",
+    "process_identity",
+    "register_termination_cleanup",
     "reload_module",
     "reload_optimizer",
     "reset_group_numbering",

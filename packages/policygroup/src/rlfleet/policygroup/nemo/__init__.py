@@ -5,7 +5,7 @@ planning with rlfleet.placement, transfer and refit), as mixins over `WorkerHost
 
 from rlfleet.policygroup.nemo._engines import EngineRefit, RolloutEngines
 from rlfleet.policygroup.nemo._refit_calls import RefitCalls, transport_state
-from rlfleet.policygroup.nemo._refit_channel import RefitChannel, import_zmq
+from rlfleet.policygroup.nemo._refit_channel import RefitChannel, connect_refit_engine, import_zmq
 from rlfleet.policygroup.nemo._reshard_calls import ReshardCalls, ReshardState
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "ReshardCalls",
     "ReshardState",
     "RolloutEngines",
+    "connect_refit_engine",
     "import_zmq",
     "transport_state",
 ]

@@ -126,6 +126,11 @@ class RefitCalls(WorkerHost):
         """The refit control channel's address for this device (``ipc://`` or loopback ``tcp://``)."""
         return self._refit_channel().address
 
+    def get_zmq_credentials(self) -> str | None:
+        """Where the engine finds the keys of a loopback (``tcp://``) refit channel: a file only
+        this user can read, for `connect_refit_engine`; None for an ``ipc://`` channel."""
+        return self._refit_channel().credentials
+
     def zmq_request(self, message: Mapping[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """Send one JSON object to the engine on the refit channel; returns its JSON reply."""
         channel = self._refit_channel()

@@ -8,6 +8,8 @@ from rlfleet.weightsync.shm._shm import (
     cleanup_stale_segments,
     install_termination_cleanup,
     process_alive,
+    process_identity,
+    register_termination_cleanup,
 )
 from rlfleet.weightsync.shm._shm_ring import ShmRingReceiver, ShmRingSender
 
@@ -20,4 +22,6 @@ __all__ = [
     "cleanup_stale_segments",
     "install_termination_cleanup",
     "process_alive",
+    "process_identity",
+    "register_termination_cleanup",
 ]

@@ -37,7 +37,7 @@ import struct
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -55,6 +55,7 @@ __all__ = [
     "memory_fence",
     "process_alive",
     "process_identity",
+    "register_termination_cleanup",
     "segment_creator",
 ]
 
@@ -175,6 +176,27 @@ def _unlink_if_creator(path: str, creator_pid: int) -> None:
 def _unlink_owned() -> None:
     for path, creator in list(_owned.items()):
         _unlink_if_creator(path, creator)
+    for cleanup in list(_cleanups):
+        with contextlib.suppress(Exception):
+            cleanup()
+
+
+#: Other things this process must not leave behind when a signal ends it (private directories,
+#: sockets): callables run after its segments are unlinked.
+_cleanups: list[Callable[[], None]] = []
+
+
+def register_termination_cleanup(cleanup: Callable[[], None]) -> Callable[[], None]:
+    """Run `cleanup` (idempotent, quick) if SIGTERM or SIGHUP ends this process, as segments are
+    unlinked (`install_termination_cleanup`); returns a function that unregisters it."""
+    _cleanups.append(cleanup)
+    install_termination_cleanup()
+
+    def unregister() -> None:
+        with contextlib.suppress(ValueError):
+            _cleanups.remove(cleanup)
+
+    return unregister
 
 
 # -- termination signals ------------------------------------------------------------------------
