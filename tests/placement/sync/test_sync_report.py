@@ -76,7 +76,7 @@ def test_the_whole_sync_adds_up_and_round_trips() -> None:
     assert whole.wall_ratio == pytest.approx(0.5 / 0.45)
     assert SyncReport.from_dict(json.loads(whole.to_json())) == whole
     assert whole.summary().endswith("; whole sync 0.5 s / 0.45 s predicted")
-    with pytest.raises(SyncPlanError, match="add up to 0.500000 s, not the wall time 0.700000 s"):
+    with pytest.raises(SyncPlanError, match=r"add up to 0\.500000 s, not the wall time 0\.700000 s"):
         dataclasses.replace(whole, wall_seconds=0.7)
     with pytest.raises(SyncPlanError, match=r"unknown wall phase\(s\) \['drain'\]"):
         report.with_wall({"drain": 0.1})

@@ -93,7 +93,9 @@ def test_a_loopback_channel_admits_only_the_engine_holding_its_keys() -> None:
         channel.close()
 
 
-@pytest.mark.skipif(os.getuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="needs root to run as nobody")
+@pytest.mark.skipif(
+    os.getuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="needs root to run a process as nobody"
+)
 def test_another_user_gets_no_request_and_cannot_answer_one() -> None:
     channel = RefitChannel("gpu-0", transport="tcp", timeout_s=30)
     try:

@@ -149,7 +149,9 @@ class RefitChannel:
         if transport == "ipc" and not zmq.has("ipc"):
             raise RefitChannelError("this libzmq has no ipc:// transport; use transport='tcp' (loopback)")
         if transport == "tcp" and not zmq.has("curve"):
-            raise RefitChannelError("this libzmq has no CURVE security: a loopback channel would be open to every local user")
+            raise RefitChannelError(
+                "this libzmq has no CURVE security: a loopback channel would be open to every local user"
+            )
         self._zmq = zmq
         self.transport = transport
         self.requests = 0
@@ -248,7 +250,9 @@ def connect_refit_engine(address: str, credentials: str | None = None, context: 
     if address.startswith("tcp://"):
         if credentials is None:
             socket.close(linger=0)
-            raise RefitChannelError(f"{address} is a CURVE-secured loopback channel: pass its credentials file")
+            raise RefitChannelError(
+                f"{address} is a CURVE-secured loopback channel: pass its credentials file"
+            )
         with open(credentials) as keys_file:
             keys = json.load(keys_file)
         socket.curve_server = True
