@@ -6,12 +6,11 @@ from rlfleet.weightsync.shm._shared_buffer import SharedBuffer, SharedBufferRead
 from rlfleet.weightsync.shm._shm import (
     SharedSegment,
     cleanup_stale_segments,
-    install_termination_cleanup,
     process_alive,
     process_identity,
-    register_termination_cleanup,
 )
 from rlfleet.weightsync.shm._shm_ring import ShmRingReceiver, ShmRingSender
+from rlfleet.weightsync.shm._termination import install_termination_cleanup, register_termination_cleanup
 
 __all__ = [
     "SharedBuffer",

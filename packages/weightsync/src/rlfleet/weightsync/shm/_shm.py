@@ -31,31 +31,27 @@ import mmap
 import os
 import re
 import secrets
-import signal
 import stat
 import struct
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 import torch
 
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import UnsafeSegmentError, WeightSyncError
+from rlfleet.weightsync.shm._termination import add_cleanup, install_termination_cleanup
 
 __all__ = [
     "SHM_DIR",
     "SharedSegment",
     "cleanup_stale_segments",
-    "install_termination_cleanup",
     "memory_fence",
     "process_alive",
     "process_identity",
-    "register_termination_cleanup",
     "segment_creator",
 ]
 
@@ -176,73 +172,9 @@ def _unlink_if_creator(path: str, creator_pid: int) -> None:
 def _unlink_owned() -> None:
     for path, creator in list(_owned.items()):
         _unlink_if_creator(path, creator)
-    for cleanup in list(_cleanups):
-        with contextlib.suppress(Exception):
-            cleanup()
 
 
-#: Other things this process must not leave behind when a signal ends it (private directories,
-#: sockets): callables run after its segments are unlinked.
-_cleanups: list[Callable[[], None]] = []
-
-
-def register_termination_cleanup(cleanup: Callable[[], None]) -> Callable[[], None]:
-    """Run `cleanup` (idempotent, quick) if SIGTERM or SIGHUP ends this process, as segments are
-    unlinked (`install_termination_cleanup`); returns a function that unregisters it."""
-    _cleanups.append(cleanup)
-    install_termination_cleanup()
-
-    def unregister() -> None:
-        with contextlib.suppress(ValueError):
-            _cleanups.remove(cleanup)
-
-    return unregister
-
-
-# -- termination signals ------------------------------------------------------------------------
-TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-_chained: dict[int, Any] = {}  # signal -> the handler ours replaced (called first)
-
-
-def _on_termination(signum: int, frame: FrameType | None) -> None:
-    previous = _chained.get(signum, signal.SIG_DFL)
-    if callable(previous):
-        try:
-            previous(signum, frame)
-        except BaseException:  # it ends the process (SystemExit, KeyboardInterrupt, ...)
-            _unlink_owned()
-            raise
-        return  # it chose to carry on: the process keeps its segments
-    _unlink_owned()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)  # die of the signal, as without us
-
-
-def install_termination_cleanup() -> list[int]:
-    """Unlink this process's segments when SIGTERM or SIGHUP terminates it; returns the signals covered.
-
-    Called by `SharedSegment.create` (so a creator needs nothing else). Only the main thread
-    may install signal handlers: from another thread this does nothing (call it once from the
-    main thread, e.g. at start-up). A handler that was there before is called first: if it
-    raises (``sys.exit``), the segments are unlinked and the exception goes on; if it returns,
-    the process carries on and keeps them. With the default action the segments are unlinked
-    and the process then dies of the signal as before. Ignored signals, and handlers installed
-    outside Python, are left alone. Installed once per process.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return sorted(_chained)
-    for sig in TERMINATION_SIGNALS:
-        if sig in _chained:
-            continue
-        current = signal.getsignal(sig)
-        if current is signal.SIG_IGN or current is None:
-            continue
-        try:
-            signal.signal(sig, _on_termination)
-        except (ValueError, OSError):  # pragma: no cover - a sub-interpreter
-            continue
-        _chained[sig] = current
-    return sorted(_chained)
+add_cleanup(_unlink_owned)  # a signal that ends the process unlinks its segments first
 
 
 class SharedSegment:
