@@ -92,6 +92,10 @@ class Faults:
             return None
         victim = self.rng.choice(candidates)
         point = self.rng.choice(self.points)
+        if point == "slow_request":  # not a kill: a request outlasts the rolling update's drain
+            self.stats["slow_requests"] += 1
+            self.actors[victim].arm.remote(point)
+            return None
         self.stats["kills"] += 1
         self.stats[f"kills_at_{point}"] += 1
         if point != "timer":

@@ -19,6 +19,8 @@ from rlfleet.weightsync import SyncTimeoutError
 OBS_DIM = 8
 SYNC_TIMEOUT_S = 10.0
 RPC_TIMEOUT_S = 20.0
+DRAIN_TIMEOUT_S = 3.0  # a rolling update waits this long for a worker's requests, then gives up
+SLOW_REQUEST_S = DRAIN_TIMEOUT_S + 2.0  # a request that outlasts the drain (fault "slow_request")
 GROUP_TIMEOUT_S = 10.0
 KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBuffer"}
 PLACES = {"train0": "node0", "eval0": "node0", "eval1": "node0", "eval2": "node1", "eval3": "node1"}
@@ -53,6 +55,9 @@ class SoakPolicy(BasePolicy):
         )
 
     def rollout_step(self, env_ret: Any) -> dict[str, Any]:
+        if self._armed == "slow_request":  # holds the serving lock past the drain's deadline
+            self._armed = None
+            time.sleep(SLOW_REQUEST_S)
         logits = self.model(torch.as_tensor(env_ret, dtype=torch.float32)[None])[0]
         return {"logits": logits.tolist(), "version": self.get_weight_version(), "worker": self.index}
 

@@ -13,7 +13,9 @@ with SIGKILL: at a random fault point inside the sync (after its first received 
 staging, at its swap) or by a timer at a random moment of the sync; or it is armed to fail its
 commit (its buffer cannot ready the commit, as when a request holds the serving lock): the sync
 fails on every rank with a clear error, the previous version stays, and the next sync, run at
-once, must go through. Ray restarts it; once it
+once, must go through. Or one of its requests is made to outlast the rolling update's drain
+("slow_request"): that worker keeps serving the previous version, routable, and the next apply
+swaps it. Ray restarts it; once it
 answers again it rejoins the group (placement, buffers and communication groups rebuilt) and
 the next sync brings it to the current version.
 
@@ -37,7 +39,9 @@ requests_served_stale  requests answered with weights older than the version eve
 versions_lost          a node buffer that, after its writer was killed mid-publish, no longer
                        holds the newest version committed before, or a group whose version
                        went backwards across a trainer restart (target 0);
-sigterm_leaked_segments segments of a SIGTERMed trainer left once it is gone (target 0).
+sigterm_leaked_segments segments of a SIGTERMed trainer left once it is gone (target 0);
+all_draining_past_a_sync stretches in which every routed worker was draining (no request could
+                       be served) for longer than one sync's deadline (target 0).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ import _claims
 import torch
 from _soak_faults import CLEAR_ERRORS, Faults, Hung
 from _soak_policy import (
+    DRAIN_TIMEOUT_S,
     FAULT_POINTS,
     GROUP_TIMEOUT_S,
     KIND,
@@ -87,7 +92,7 @@ class Soak(Faults):
         self.requests = 800 if args.quick else 10_000
         self.kill_every = 8 if args.quick else 20
         self.trainer_fault_every, self.trainer_fault_at = (8, 0) if args.quick else (50, 25)
-        self.points = (*FAULT_POINTS, "commit")
+        self.points = (*FAULT_POINTS, "commit", "slow_request")
         self.pool = concurrent.futures.ThreadPoolExecutor(4)
         self.stats: Counter[str] = Counter()
         self.hung: list[str] = []
@@ -104,6 +109,27 @@ class Soak(Faults):
         self.client_error: BaseException | None = None
         self.issued = 0
         self.lock = threading.Lock()
+        self.all_draining: list[float] = []  # how long every routed worker was draining, each time
+        self.stop_watch = threading.Event()
+
+    # -- routing watch --------------------------------------------------------------------
+    def watch_routing(self) -> None:
+        """Sample the group's router: a stretch where every worker is draining (no request can be
+        served) must end within one sync's deadline; a failed sync must not leave it so."""
+        since: float | None = None
+        while not self.stop_watch.wait(0.02):
+            group = self.group
+            router = None if group is None else group._rollouts.router
+            workers = [] if router is None else router.workers
+            stuck = bool(workers) and all(router.is_draining(w) for w in workers)  # type: ignore[union-attr]
+            now = time.monotonic()
+            if stuck and since is None:
+                since = now
+            elif not stuck and since is not None:
+                self.all_draining.append(now - since)
+                since = None
+        if since is not None:
+            self.all_draining.append(time.monotonic() - since)
 
     # -- bounded calls ------------------------------------------------------------------
     def bounded(self, what: str, seconds: float, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -126,7 +152,7 @@ class Soak(Faults):
             sync_timeout_s=SYNC_TIMEOUT_S,
             rpc_timeout_s=RPC_TIMEOUT_S,
             group_timeout_s=GROUP_TIMEOUT_S,
-            drain_timeout_s=10.0,
+            drain_timeout_s=DRAIN_TIMEOUT_S,
         )
 
     def start_actors(self) -> None:
@@ -395,6 +421,8 @@ class Soak(Faults):
         try:
             ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
             self.start_actors()
+            watcher = threading.Thread(target=self.watch_routing, daemon=True)
+            watcher.start()
             log(f"cluster and actors up in {time.monotonic() - t0:.1f}s")
             t_run = time.monotonic()
             phases = ["Double", "Shared", "None"]
@@ -427,6 +455,7 @@ class Soak(Faults):
             log(f"HUNG: {exc}; stopping")
             run_s = time.monotonic() - t0
         finally:
+            self.stop_watch.set()
             self.join_client(finish=False)
             for actor in self.actors.values():
                 with contextlib.suppress(Exception):
@@ -475,6 +504,10 @@ class Soak(Faults):
             "requests_retried": claim(s["requests_retried"], None, "retries (clear, retryable errors)"),
             "requests_failed_clear": claim(s["requests_failed_clear"], None, "requests (after 3 retries)"),
             "requests_served_stale": claim(s["requests_served_stale"], 0, "requests", **lower),
+            "all_draining_past_a_sync": claim(
+                sum(d > SYNC_TIMEOUT_S for d in self.all_draining), 0, "times every worker drained", **lower
+            ),
+            "all_draining_max_s": claim(max(self.all_draining, default=0.0), None, "s"),
             "eval_kills": claim(s["kills"], None, "kills"),
             "eval_rejoins": claim(s["rejoins"], None, "rejoins"),
             "trainer_faults": claim(

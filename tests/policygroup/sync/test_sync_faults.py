@@ -8,9 +8,11 @@ outcome.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +28,7 @@ from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
     PolicyConfig,
     PolicyGroup,
+    PolicyGroupError,
     TrainWorkerDiedError,
     WeightBufferConfig,
 )
@@ -116,3 +119,40 @@ def test_a_sync_names_the_rollout_worker_it_found_dead(group: PolicyGroup) -> No
     assert outcome.dropped == ("rollout worker 1",)
     assert len(group.eval_list) == 1
     assert _serves(group) == [2]
+
+
+class SlowRollouts(MLPPolicy):
+    """A rollout asked for "slow" holds the worker (and its serving lock) for a while."""
+
+    def rollout_step(self, env_ret: Any) -> dict[str, Any]:
+        if env_ret == "slow":
+            time.sleep(3.0)  # simulated generation that outlasts the rolling update's drain
+            env_ret = torch.zeros(OBS_DIM).tolist()
+        return super().rollout_step(env_ret)
+
+
+def test_a_request_outlasting_the_drain_leaves_its_worker_serving_and_routable(cluster: Any) -> None:
+    config = dataclasses.replace(_config("Double"), drain_timeout_s=1.0)
+    node = {"resources": {"node0": 1}, "num_cpus": 0, "max_concurrency": 16}
+    trainer = ray.remote(MLPPolicy).options(**node).remote(config=config, role="train", index=0)
+    rollout = ray.remote(SlowRollouts).options(**node).remote(config=config, role="eval", index=0)
+    group = PolicyGroup([trainer], [rollout], config)
+    try:
+        group.init_placement_info()
+        group.init_weight_buffer()
+        group.sync_weights()
+        slow = group.rollout_batch(BatchedData([0], ["slow"])).values()[0]
+        group.send_weights()  # v2 staged while the slow request runs
+        with pytest.raises(PolicyGroupError, match=r"rollout worker 0 still had requests in flight.*v1"):
+            group.notify_update_weights()
+        router = group._rollouts.router
+        assert [w for w in router.workers if router.is_draining(w)] == []  # routable, as it was
+        assert ray.get(slow, timeout=60)["version"] == 1
+        assert group.eval_weight_versions() == [1]
+        group.notify_update_weights()  # the next apply swaps it
+        assert group.eval_weight_versions() == [2]
+        assert _serves(group) == [2]
+    finally:
+        group.shutdown()
+        for actor in (trainer, rollout):
+            ray.kill(actor)

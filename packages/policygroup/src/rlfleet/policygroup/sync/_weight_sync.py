@@ -26,6 +26,7 @@ from rlfleet.policygroup.driver._rollout import Rollouts
 from rlfleet.policygroup.driver._submitter import is_remote
 from rlfleet.policygroup.sync._plan import Processes, plan_for
 from rlfleet.policygroup.sync._wiring import Wiring
+from rlfleet.routing import DrainTimeoutError
 
 if TYPE_CHECKING:
     from rlfleet.policygroup.driver._membership import Membership
@@ -171,7 +172,10 @@ class WeightSync:
         in_place = self.strategy == "None"
         drained = list(roster.eval_list) if in_place else []
         if drained:
-            self.rollouts.drain(drained)
+            try:
+                self.rollouts.drain(drained)
+            except DrainTimeoutError as exc:  # the router is as it was: nothing sent, v-1 served
+                raise PolicyGroupError(f"send_weights v{version} ('None' applies in place): {exc}") from exc
         try:
             run = run_steps.start(
                 plan,
@@ -294,15 +298,30 @@ class WeightSync:
         self.version = version
 
     def _apply_rolling(self, version: int) -> None:
+        """One swap after another; a worker whose requests outlast the drain keeps serving the
+        previous version (routable, as it was) and the others go on; then a clear error names it
+        and the next apply retries it."""
         comm = self.wiring.comm
+        batches: list[tuple[list[Policy], str | None]] = []
         if self.strategy == "Sharded" and comm is not None:
             by_pid = self.processes.by_pid()
             for group in comm.gather:  # each node's rollout workers, in shard order
                 mates = [comm.process_of(rank) for rank in group.ranks]
-                self._apply_together([by_pid[p] for p in mates if p in by_pid], version, group.group_id)
+                batches.append(([by_pid[p] for p in mates if p in by_pid], group.group_id))
         elif self.strategy != "None":
-            for p in list(self.roster.eval_list):
-                self._apply_together([p], version, None)
+            batches = [([p], None) for p in self.roster.eval_list]
+        busy: list[str] = []
+        for policies, group_id in batches:
+            try:
+                self._apply_together(policies, version, group_id)
+            except DrainTimeoutError:
+                busy += [self.roster.name(p) for p in policies]
+        if busy:
+            raise PolicyGroupError(
+                f"apply v{version}: {', '.join(busy)} still had requests in flight after "
+                f"drain_timeout_s={self.config.drain_timeout_s}; they keep serving v{self.version} "
+                "and the next apply (notify_update_weights) swaps them"
+            )
 
     def _apply_together(self, policies: list[Policy], version: int, group_id: str | None) -> None:
         if not policies:
