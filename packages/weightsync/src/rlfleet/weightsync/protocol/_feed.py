@@ -29,7 +29,18 @@ from rlfleet.weightsync.layout._packing import typed_view
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
 from rlfleet.weightsync.protocol._wire_base import BucketTarget
 
-__all__ = ["feed", "full_tensors", "layout_entries"]
+__all__ = ["FullTensors", "feed", "full_tensors", "layout_entries"]
+
+
+class FullTensors(Iterator[tuple[str, torch.Tensor]]):
+    """`full_tensors`: the pairs of a module's state dict, each tensor new memory (a gathered
+    DTensor) or the module's own, never written by the iteration again (a *fresh* stream)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._pairs = _full_tensors(module)
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._pairs)
 
 
 def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -37,8 +48,14 @@ def full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
     A DTensor (FSDP2 ``fully_shard``, tensor parallel) is gathered with ``full_tensor()`` when
     the iteration reaches it, so at most one gathered parameter is alive per step (if the caller
-    drops it). Every rank of the mesh must iterate, in the same order.
+    drops it). Every rank of the mesh must iterate, in the same order. Each tensor is new
+    memory (or the module's own), so a sender may send it from its own storage (a fresh
+    `WeightStream`).
     """
+    return FullTensors(module)
+
+
+def _full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     from torch.distributed.tensor import DTensor
 
     for name, value in module.state_dict(keep_vars=True).items():

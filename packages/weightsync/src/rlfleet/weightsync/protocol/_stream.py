@@ -15,6 +15,13 @@ tensor) is a `LayoutMismatchError` naming the parameter, raised while the versio
 wire: the version aborts through the transport's protocol and every receiver keeps the
 previous one.
 
+A producer may reuse one buffer for every tensor it yields (gather into the same scratch, yield
+a view of it): every sender consumes or copies a stream's tensor before it asks for the next.
+The broadcast, which keeps a bucket on the wire while it pulls the next one, copies a stream's
+tensors into the bucket's buffer, unless the stream is ``fresh`` (each tensor new memory that
+the producer never writes again, as `full_tensors` yields): then a large tensor goes on the
+wire from its own storage, without a copy.
+
 The tensors of an FSDP2 stream are gathered by collectives that every rank of the mesh takes
 part in. A sender that stopped reading at a failure would leave the other ranks waiting in a
 gather (and pair their next collective with the wrong one), so after a failure the sender
@@ -37,7 +44,7 @@ from rlfleet.weightsync.layout._dtypes import dtype_name
 from rlfleet.weightsync.layout._layout import ALIGNMENT, Layout, TensorSpec, align
 from rlfleet.weightsync.layout._packing import typed_view
 from rlfleet.weightsync.protocol._core import raw_bytes
-from rlfleet.weightsync.protocol._feed import full_tensors
+from rlfleet.weightsync.protocol._feed import FullTensors, full_tensors
 from rlfleet.weightsync.protocol._frames import Segment
 
 __all__ = [
@@ -67,13 +74,20 @@ class WeightStream:
     time); ``WeightStream.from_module(model)`` is `full_tensors(model)`: every state-dict entry,
     DTensors gathered one at a time. Every rank of the mesh must iterate such a stream (the
     gathers are collectives); the sender's rank hands it to the sender, the others `drain` it.
+
+    ``fresh`` says the producer never writes a tensor's memory again once it yielded it (a new
+    tensor per pair); a sender may then keep a tensor past the next pull and send it from its
+    own storage. By default (False, or None for a plain iterable) a tensor is copied before the
+    next one is asked for, so the producer may reuse one buffer for every tensor; `full_tensors`
+    (and `from_module`) are fresh.
     """
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], *, fresh: bool | None = None) -> None:
         if isinstance(weights, Mapping):
             raise TypeError("a Mapping is a state dict: hand it to the sender as it is, not as a stream")
         if isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable):
             raise TypeError(f"a weight stream iterates (name, tensor) pairs, got {type(weights).__name__}")
+        self.fresh = bool(fresh) if fresh is not None else isinstance(weights, FullTensors)
         self._iterator: Iterator[Any] = iter(weights)
         self._pulled = 0
         self._ended = False
@@ -82,7 +96,7 @@ class WeightStream:
     @classmethod
     def from_module(cls, module: torch.nn.Module) -> WeightStream:
         """The stream of `module`'s state dict, each DTensor gathered when it is reached."""
-        return cls(full_tensors(module))
+        return cls(full_tensors(module), fresh=True)
 
     @property
     def pulled(self) -> int:
@@ -277,29 +291,32 @@ def fill_bucket(
 class StreamedBuckets:
     """A broadcast's buckets built from a stream, each holding only its own bytes.
 
-    A large tensor (a segment of its own) travels from its storage as it arrives, with no copy;
-    the runs of small tensors are copied into a buffer of their bytes only, allocated for the
-    bucket and freed once it is on the wire. Two buckets in flight thus hold at most two
-    buckets' bytes, and the tensor being produced is the only other memory.
+    The tensors are copied into a buffer of the bucket's wire bytes, allocated for the bucket and
+    freed once it is on the wire, so the producer may reuse its memory as soon as the next tensor
+    is asked for. From a ``fresh`` stream a large tensor (a segment of its own) travels from its
+    storage as it arrives, with no copy, and only the runs of small tensors are copied. Two
+    buckets in flight thus hold at most two buckets' bytes, and the tensor being produced is the
+    only other memory.
     """
 
     def __init__(self, layout: Layout, segments: Sequence[Sequence[Segment]], device: torch.device) -> None:
         self.layout = layout
         self.segments = segments
         self.device = device
-        self._plans: dict[int, tuple[list[int | None], int, dict[str, int]]] = {}
+        self._plans: dict[tuple[int, bool], tuple[list[int | None], int, dict[str, int]]] = {}
 
-    def _plan(self, k: int) -> tuple[list[int | None], int, dict[str, int]]:
-        """Where each run of bucket `k` lies in its buffer (None: a large tensor), the buffer's
-        size, and the segment of each tensor. A run keeps its offsets modulo 512, so every
-        tensor's typed view stays aligned as in the layout."""
-        plan = self._plans.get(k)
+    def _plan(self, k: int, fresh: bool) -> tuple[list[int | None], int, dict[str, int]]:
+        """Where each segment of bucket `k` lies in its buffer (None: a large tensor of a fresh
+        stream, sent from its own storage), the buffer's size, and the segment of each tensor. A
+        segment keeps its offset modulo 512, so every tensor's typed view stays aligned as in the
+        layout."""
+        plan = self._plans.get((k, fresh))
         if plan is None:
             positions: list[int | None] = []
             cursor = 0
             owner: dict[str, int] = {}
             for g, seg in enumerate(self.segments[k]):
-                if seg.tensor is not None:
+                if seg.tensor is not None and fresh:
                     positions.append(None)
                     owner[seg.tensor] = g
                     continue
@@ -309,12 +326,12 @@ class StreamedBuckets:
                 for spec in self.layout.buckets[k].tensors:
                     if spec.nbytes and seg.start <= spec.offset < seg.end:
                         owner[spec.name] = g
-            plan = self._plans[k] = (positions, cursor, owner)
+            plan = self._plans[(k, fresh)] = (positions, cursor, owner)
         return plan
 
     def pull(self, cursor: StreamCursor, k: int) -> list[torch.Tensor]:
         """Bucket `k`'s tensors from `cursor`; returns what to broadcast, segment by segment."""
-        positions, size, owner = self._plan(k)
+        positions, size, owner = self._plan(k, cursor.stream.fresh)
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device) if size else None
         sources: list[torch.Tensor | None] = [None] * len(positions)
         for spec, tensor in cursor.bucket(k):
@@ -322,7 +339,7 @@ class StreamedBuckets:
                 continue
             g = owner[spec.name]
             where = positions[g]
-            if where is None:  # a large tensor: its own bytes go on the wire
+            if where is None:  # a large tensor of a fresh stream: its own bytes go on the wire
                 sources[g] = _own_bytes(tensor, self.device)
                 continue
             assert buffer is not None
