@@ -4,6 +4,7 @@ prior the probes give, and every plan at or above its lower bound."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -220,3 +221,20 @@ def test_phase_values_that_cannot_be_measured_are_refused_when_reported() -> Non
     for bad in (float("nan"), float("inf"), -1.0):
         with pytest.raises(SyncPlanError, match="non-negative finite number of seconds"):
             StepReport(0, 1.0, 1.0, {"wire": bad})
+
+
+def test_a_direct_measurement_anchors_the_fit_instead_of_being_discarded() -> None:
+    """A probe's host copy rate is one more equation: few, noisy syncs do not throw it away."""
+    rng = random.Random(3)
+    plans = _plans(rng, 2)
+    truth = dataclasses.replace(TRUTH, memcpy_bytes_per_s=20e9)  # the syncs copy fast (in cache)
+    reports = _measure(plans, truth, 0.3, rng)
+    free = fit_cost_model(reports, plans)
+    probe = 5e9  # what the probe measured on a copy larger than any cache
+    anchored = fit_cost_model(reports, plans, anchors={"memcpy_s_per_byte": 1.0 / probe})
+    assert "anchored on measured memcpy_s_per_byte" in anchored.source
+    assert abs(math.log(anchored.memcpy_bytes_per_s / probe)) < abs(math.log(free.memcpy_bytes_per_s / probe))
+    with pytest.raises(CostModelError, match=r"unknown anchor\(s\) \['memcpy_bytes_per_s'\]"):
+        fit_cost_model(reports, plans, anchors={"memcpy_bytes_per_s": probe})
+    with pytest.raises(CostModelError, match="positive finite measurement"):
+        fit_cost_model(reports, plans, anchors={"memcpy_s_per_byte": 0.0})

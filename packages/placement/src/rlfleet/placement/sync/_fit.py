@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -166,7 +166,11 @@ class _Rows:
 
 @public
 def fit_cost_model(
-    reports: Sequence[SyncReport], plans: Sequence[SyncPlan], prior: CostModel | None = None
+    reports: Sequence[SyncReport],
+    plans: Sequence[SyncPlan],
+    prior: CostModel | None = None,
+    *,
+    anchors: Mapping[str, float] | None = None,
 ) -> CostModel:
     """Calibrate ``prior`` (default `CostModel()`) from measured syncs: non-negative least squares.
 
@@ -181,6 +185,11 @@ def fit_cost_model(
     negative or not finite seconds, and a report faster than its plan's lower bound (when the plan
     was priced on the cluster's rates, not on fallback guesses). Raises CostModelError when no
     report matches a plan, no phase was measured, or no measurement can be right.
+
+    ``anchors`` are `LINEAR_PARAMS` measured directly (a probe's host copy rate, in seconds per
+    byte): each is one more equation of the fit (the parameter equals its measurement, weighed
+    like any phase), so a direct measurement is not thrown away when a few syncs of a small model
+    (copies that stay in cache) would pull the parameter elsewhere.
     """
     base = CostModel() if prior is None else prior
     eq = _Rows()
@@ -197,7 +206,16 @@ def fit_cost_model(
         )
     if not eq.rows:
         raise CostModelError("fit: the reports hold no measured phase the plans can explain")
-    rows, targets = eq.rows, eq.targets
+    anchors = dict(anchors or {})
+    unknown = sorted(set(anchors) - set(LINEAR_PARAMS))
+    if unknown:
+        raise CostModelError(f"fit: unknown anchor(s) {unknown}; known: {list(LINEAR_PARAMS)}")
+    rows, targets = list(eq.rows), list(eq.targets)
+    for name, value in anchors.items():
+        if not math.isfinite(value) or value <= 0:
+            raise CostModelError(f"fit: anchor {name} must be a positive finite measurement, got {value!r}")
+        rows.append([1.0 if p == name else 0.0 for p in LINEAR_PARAMS])
+        targets.append(float(value))
     used = [j for j in range(len(LINEAR_PARAMS)) if any(r[j] for r in rows)]
     weights = [1.0 / max(t, _FLOOR_S) for t in targets]
     scaled = [[r[j] * w for j in used] for r, w in zip(rows, weights, strict=True)]
@@ -207,11 +225,13 @@ def fit_cost_model(
     values = {LINEAR_PARAMS[j]: solution[k] / norms[k] for k, j in enumerate(used)}
     fitted = [sum(r[j] * values[LINEAR_PARAMS[j]] for j in used) for r in rows]
     errors = [((f - t) * w) ** 2 for f, t, w in zip(fitted, targets, weights, strict=True)]
+    kept = f", anchored on measured {', '.join(anchors)}" if anchors else ""
     rms = math.sqrt(sum(errors) / len(rows))
     skipped = f", {len(eq.ignored)} impossible measurement(s) ignored" if eq.ignored else ""
     fit = (
-        f"fit_cost_model: NNLS over {len(rows)} measured phases of {len(reports)} report(s), "
-        f"relative rms residual {rms:.1%}{skipped}"
+        f"fit_cost_model: NNLS over {len(eq.rows)} measured phases of {len(reports)} report(s), "
+        f"relative rms residual {rms:.1%}{skipped}{kept}"
     )
     source = f"{fit} (unfitted terms: defaults)" if prior is None else f"{prior.source}; then {fit}"
     return base.with_linear(values, source)
+
