@@ -116,7 +116,14 @@ class BasePolicy(WorkerCalls):
         return [self.rollout_step(x) for x in env_rets]
 
     def train_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """One optimisation step on `batch` (trainers); returns scalar metrics."""
+        """One optimisation step on `batch` (trainers); returns scalar metrics.
+
+        ``group.train(*args, **kwargs)`` calls it on every trainer with the same arguments:
+        ``train_step(args[0], *args[1:], **kwargs)``, or, called without positional arguments,
+        ``train_step(dataset, **kwargs)`` where `dataset` is this trainer's shard from
+        ``group.update_dataset(shards)`` (one per trainer, in ``train_list`` order). The group
+        returns the first trainer's metrics.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement train_step(batch)")
 
     def postprocess_step(self, *args: Any) -> Any:
