@@ -11,9 +11,10 @@ k+1 overlaps the readers consuming bucket k.
 The control plane is a small shared-memory segment (`_ipc_control`): a control block of shape
 `IPC`, described like ShmRing's and SharedBuffer's (`_control_block`), then the handles (base64
 in JSON) and the sender's layout. Its words hold per-slot sequence numbers and sessions,
-per-reader liveness and acks, and a two-phase commit: each reader reports *prepared* or
-*failed*, and the sender then writes *commit* only if every reader prepared, else *abort*, so
-a version lands on all readers or on none. Waits poll under a `Deadline` and check the peer's
+per-reader liveness and acks, and a two-phase commit: each reader, once its consumer took every
+bucket and prepared its commit (`prepare_commit`: what the commit needs, acquired before the
+vote), reports *prepared*, or *failed*; the sender then writes *commit* only if every reader
+prepared, else *abort*, so a version lands on all readers or on none. Waits poll under a `Deadline` and check the peer's
 liveness (pid + start time): a dead peer is a `PeerLostError`, a stuck one a `SyncTimeoutError`.
 
 Sessions. Each `send` is a session, numbered in the control block (its generation). A reader

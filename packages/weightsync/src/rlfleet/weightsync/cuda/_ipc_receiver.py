@@ -26,6 +26,7 @@ from rlfleet.weightsync.cuda._ipc_control import ChannelBlock, decode_meta
 from rlfleet.weightsync.cuda._ipc_slots import CudaOpened, HostOpened
 from rlfleet.weightsync.layout._integrity import bucket_checksum
 from rlfleet.weightsync.layout._layout import Layout
+from rlfleet.weightsync.protocol._core import prepare
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
 from rlfleet.weightsync.shm._control_block import INT64_MAX, Every
 from rlfleet.weightsync.shm._shm import (
@@ -152,7 +153,13 @@ class CudaIpcReceiver:
     def receive(
         self, consumer: BucketConsumer, deadline: Deadline | float | None = DEFAULT_RECEIVE_DEADLINE_S
     ) -> int:
-        """Receive the next version into `consumer`; returns it once committed on every reader."""
+        """Receive the next version into `consumer`; returns it once committed on every reader.
+
+        Two-phase: once every bucket was consumed, the consumer prepares its commit
+        (``prepare_commit``: the serving lock, a checked version) before this reader votes; a
+        reader that cannot prepare votes no, so no reader applies the version and the sender's
+        error names it. After the sender's commit, `commit` cannot fail for a consumer that
+        prepares."""
         deadline = Deadline.coerce(deadline)
         cb, me = self._cb, self.index
         if self._segment.closed:
@@ -172,6 +179,9 @@ class CudaIpcReceiver:
             consumer.begin(version)
             began = True
             self._read_buckets(consumer, session, version, base, nbuckets, deadline)
+            failure = prepare(consumer, version, deadline, f"IPC channel {self.name}: reader {me}")
+            if failure is not None:  # what commit needs could not be had: vote no
+                raise failure
         except BaseException as exc:
             self._fail(consumer, exc, began, session, base + nbuckets)
             if isinstance(exc, (WeightSyncError, VersionError)) or not isinstance(exc, Exception):
