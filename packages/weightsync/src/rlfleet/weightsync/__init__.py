@@ -11,7 +11,8 @@ folder may import a lower one, never the reverse, and import-linter checks it):
 - `shm`: the node buffer (`SharedBuffer`, strategy "Shared") and the `ShmRing` transport;
 - `cuda`: CUDA IPC and NCCL through CuPy (imported lazily);
 - `reshard`: shard-to-shard moves between training and generation layouts;
-- `engines`: `LoadWeightsConsumer` for an engine's `load_weights`, and the weight transforms;
+- `engines`: `LoadWeightsConsumer` for an engine's `load_weights`, the weight transforms, the
+  engine's loader as the map (`record_loader_map`), vLLM's "rlfleet" backend, SGLang's buckets;
 - `endpoints`: the receive strategies (`create_endpoint`), `WorkerWeights`, IPC channels, probes;
 - deadlines and watchdogs, and the errors, at the root.
 
@@ -122,6 +123,7 @@ from rlfleet.weightsync.engines import (
     Cast,
     Drop,
     Fuse,
+    LoaderMap,
     LoadWeights,
     LoadWeightsConsumer,
     Rename,
@@ -129,6 +131,7 @@ from rlfleet.weightsync.engines import (
     WeightTransform,
     apply_transforms,
     plan_transforms,
+    record_loader_map,
 )
 from rlfleet.weightsync.layout import (
     ALIGNMENT,
@@ -234,6 +237,7 @@ __all__ = [
     "LayoutMismatchError",
     "LoadWeights",
     "LoadWeightsConsumer",
+    "LoaderMap",
     "MemberGroup",
     "MetadataError",
     "NcclP2PWire",
@@ -336,6 +340,7 @@ __all__ = [
     "probe_layout",
     "process_alive",
     "process_identity",
+    "record_loader_map",
     "register_termination_cleanup",
     "reload_module",
     "reload_optimizer",
