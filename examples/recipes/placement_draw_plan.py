@@ -4,7 +4,7 @@ Part 1 plans an executable sync (``plan_sync`` -> ``SyncPlan``, what policygroup
 GPU cluster: 2 trainers on their own node, 6 rollout workers on 2 nodes with a shared buffer
 each; it is compared with the seed's plan on the same cluster and drawn. Part 2 prices a paper
 plan for a large cluster (``plan_transfer``) against the seed's and the lower bound. Needs
-``pip install "rlfleet-placement[draw]"`` (networkx, matplotlib).
+``pip install "./packages/placement[draw]"`` (networkx, matplotlib; README: Install).
 
     python examples/recipes/placement_draw_plan.py [out.png]
 """

@@ -7,7 +7,7 @@ blocking the loop and releases it however the request ends, a client that discon
 version) while the others keep serving; with the default `prefer_newest_version=True` a session
 stays on its worker until that worker's own update, so sessions do not pile onto the first
 updated worker. For prompts, `PrefixAwareRouter` routes by cached prefix instead of by session.
-Needs only `pip install rlfleet-routing` (no torch, no Ray).
+Needs only rlfleet-routing (`pip install ./packages/routing`; no torch, no Ray).
 
     python examples/recipes/routing_async_server.py
 """

@@ -2,7 +2,7 @@
 
 A trainer process broadcasts its weights over gloo as versioned, bucketed syncs; the rollout
 process stages them in a `DoubleBuffer` (it could keep serving the old version meanwhile) and
-swaps on commit. Needs only `pip install rlfleet-weightsync`.
+swaps on commit. Needs only rlfleet-weightsync (`pip install ./packages/weightsync`, README: Install).
 
     python examples/recipes/weightsync_two_processes.py
 """
