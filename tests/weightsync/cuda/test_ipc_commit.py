@@ -39,3 +39,21 @@ def test_a_reader_that_cannot_commit_votes_no_and_no_reader_applies_the_version(
         assert got["v2"]["pending"] is None  # what the prepare took was released
         assert got["v3"]["ok"], (rank, got["v3"])
         assert (got["v3"]["applied"], got["v3"]["checksum"]) == (3, _expected(3))
+
+
+@pytest.mark.timeout(200)
+def test_a_writer_frees_the_slots_of_failed_versions_once_no_reader_maps_them(tmp_path: Path) -> None:
+    """Three versions fail on the writer while its reader still reads a slot (closed with the
+    slots still mapped, so they are not freed then); once the reader left each channel, the
+    writer holds no slot of them: none counted, none still mapped in the process."""
+    results = w.run_ranks(icw.scenario_ipc_writer_slots, 2, str(tmp_path / "channel"), timeout=180.0)
+    writer, reader = results[0], results[1]
+    for attempt in range(icw.FAILURES):
+        assert writer[f"send{attempt}"]["type"] == "SyncTimeoutError", writer[f"send{attempt}"]
+        assert not reader[f"receive{attempt}"]["ok"], reader[f"receive{attempt}"]
+    assert writer["mapped"] == 0, f"{writer['mapped']} failed channels' slots are still mapped"
+    assert writer["held"] == 0
+    assert writer["ok"]["ok"], writer["ok"]
+    assert reader["ok"]["ok"], reader["ok"]
+    assert reader["checksum"] == _expected(2)
+    assert (writer["held_after_close"], writer["mapped_after_close"]) == (0, 0)

@@ -21,7 +21,8 @@ Sessions. Each `send` is a session, numbered in the control block (its generatio
 marks the session whose slots it may still read; a new session rewrites no slot until every
 live reader of an earlier one (a straggler of an aborted version) has finished its reads, or
 fails at its deadline naming them. The sender frees its slots only when no live reader maps
-them: otherwise `close` leaks them and raises `SlotsStillMappedError`.
+them: otherwise `close` raises `SlotsStillMappedError` and keeps them until the last of those
+readers unmapped them or died (`free_slots`), never for the life of the process.
 
 Stream contract (CUDA slots):
 - Sender: `send` packs each bucket into its slot with torch copies on the *current stream* of

@@ -30,7 +30,7 @@ from rlfleet.weightsync.protocol._stream import (
 from rlfleet.weightsync.shm._control_block import Every, require_int_in
 from rlfleet.weightsync.shm._shm import memory_fence
 
-__all__ = ["DETACH_WAIT_S", "CudaIpcSender"]
+__all__ = ["DETACH_WAIT_S", "CudaIpcSender", "free_retired_slots"]
 
 Backend = Literal["cuda", "host"]
 
@@ -41,6 +41,18 @@ DEFAULT_SEND_DEADLINE_S = 120.0
 
 _log = logging.getLogger(__name__)
 
+#: Closed senders whose slots a live reader still mapped: kept alive (their slots allocated) until
+#: `free_slots` finds no reader left; each new sender looks again.
+_RETIRED: set[CudaIpcSender] = set()
+
+
+def free_retired_slots() -> int:
+    """Free the slots of every closed channel of this process that no live reader maps any
+    more; how many slot buffers are still kept."""
+    for sender in list(_RETIRED):
+        sender.free_slots()
+    return sum(sender.held_slots for sender in list(_RETIRED))
+
 
 class CudaIpcSender:
     """Writer of one IPC channel to `num_readers` same-node readers.
@@ -49,7 +61,7 @@ class CudaIpcSender:
     no reader applies anything); `weights` is a state dict or a `WeightStream` (pairs in the
     layout's order, each copied into its slot as it comes; drained after a failure). Readers
     join with ``CudaIpcReceiver.attach(sender.name, index)``; the slots and handles are made
-    once, here.
+    once, here. `close` frees the slots once no live reader maps them (`free_slots`).
     """
 
     def __init__(
@@ -101,6 +113,9 @@ class CudaIpcSender:
         self._published = 0
         self._session = 0
         self._liveness = Every()
+        self._closed = False
+        self._freed = False
+        free_retired_slots()  # a reader of an earlier channel may have left since
 
     @property
     def name(self) -> str:
@@ -110,6 +125,11 @@ class CudaIpcSender:
     @property
     def slots(self) -> list[torch.Tensor]:
         return self._slots.tensors
+
+    @property
+    def held_slots(self) -> int:
+        """Slot buffers still allocated: both until `close` could free them, then none."""
+        return 0 if self._freed else ipc.NUM_SLOTS
 
     def _check_readers(self, what: Callable[[], str] | str, force: bool = False) -> None:
         if not (force or self._liveness.due()):
@@ -154,7 +174,7 @@ class CudaIpcSender:
 
     def _send(self, source: Source, version: int, deadline: Deadline) -> int:
         cb = self._cb
-        if self._segment.closed or cb.get(ipc.G_CLOSED):
+        if self._closed or cb.get(ipc.G_CLOSED):
             raise WeightSyncError(f"IPC channel {self.name} is closed")
         if isinstance(version, bool) or not isinstance(version, int) or not -(1 << 63) <= version < 1 << 63:
             raise ValueError(f"version must be an int64, got {version!r}")
@@ -282,31 +302,50 @@ class CudaIpcSender:
     def close(self) -> None:
         """Tell readers the channel is gone; free the slots and the control block.
 
-        The slots are freed only once no live reader maps them: after `detach_timeout_s` the
-        slots still mapped are leaked (kept allocated until this process exits) and
-        SlotsStillMappedError names the readers, since CUDA leaves freeing an exported region
-        that another process still maps undefined.
+        The slots are freed only once no live reader maps them, since CUDA leaves freeing an
+        exported region that another process still maps undefined: after `detach_timeout_s` the
+        slots still mapped are kept, SlotsStillMappedError names the readers, and `free_slots`
+        (or any later sender of this process, or `IpcChannelWriter`) frees them as soon as the
+        last of those readers unmapped them or died.
         """
-        if self._segment.closed:
+        if self._closed:
+            self.free_slots()
             return
+        self._closed = True
         cb = self._cb
         cb.set(ipc.G_CLOSED, 1)
         still = self._wait_detached(self.detach_timeout_s)
-        pids = {i: cb.get(cb.reader(i, ipc.R_PID)) for i in still}
-        cb.detach()
-        self._segment.close()
-        self._segment.unlink()
         if not still:
-            self._slots.close()
+            self._free()
             return
-        self._slots.leak()
+        pids = {i: cb.get(cb.reader(i, ipc.R_PID)) for i in still}
+        self._segment.unlink()  # no reader finds the channel now; its block stays mapped to watch them
+        _RETIRED.add(self)
         raise SlotsStillMappedError(
             f"IPC channel {self.name}: reader(s) {still} (pids {list(pids.values())}) still map the "
             f"slots {self.detach_timeout_s:.1f}s after close; the slots ({ipc.NUM_SLOTS} x "
-            f"{self.layout.max_bucket_nbytes} bytes) are leaked until this process exits rather "
-            "than freed under a reader (close the readers first)",
+            f"{self.layout.max_bucket_nbytes} bytes) are kept, not freed under a reader, until no live "
+            "reader maps them (free_slots(); close the readers first)",
             still,
         )
+
+    def free_slots(self) -> bool:
+        """Free the slots of this closed channel if no live reader maps them any more; True once
+        they are freed. An open channel's slots are its own: False."""
+        if self._freed:
+            return True
+        if not self._closed or any(self._cb.attached(i) for i in range(self.num_readers)):
+            return False
+        self._free()
+        return True
+
+    def _free(self) -> None:
+        self._cb.detach()
+        self._segment.close()
+        self._segment.unlink()
+        self._slots.close()
+        self._freed = True
+        _RETIRED.discard(self)
 
     def _wait_detached(self, seconds: float) -> list[int]:
         """Live readers that still have the slots open after waiting up to `seconds`."""

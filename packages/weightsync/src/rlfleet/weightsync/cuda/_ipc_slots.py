@@ -13,7 +13,7 @@ Streams and lifetimes (CUDA):
   which streams its consumer queued reads of a slot, so it settles before releasing the slot.
 - `close` on a reader settles the device, then unmaps (``ipcCloseMemHandle``) on the device it
   opened on: an unmap under a queued read is undefined. The sender frees its slots only once no
-  live reader maps them, else `leak` keeps them allocated for the life of the process.
+  live reader maps them (it keeps them until then: `CudaIpcSender.free_slots`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-from typing import Any
 
 import torch
 from torch.utils.dlpack import from_dlpack
@@ -34,9 +33,6 @@ from rlfleet.weightsync.shm._shm import SharedSegment, memory_fence, page_align
 __all__ = ["CudaOpened", "CudaSlots", "HostOpened", "HostSlots"]
 
 _log = logging.getLogger(__name__)
-
-#: Slots a sender could not free because a live reader still mapped them: kept until exit.
-_LEAKED: list[Any] = []
 
 
 def _settle_device(device: torch.device) -> None:
@@ -81,11 +77,6 @@ class CudaSlots:
         self.settle()  # no kernel of ours still writes them
         self.tensors = []
         self._mems = []
-
-    def leak(self) -> None:
-        """Keep the slots allocated for the life of the process (a reader still maps them)."""
-        _LEAKED.append(self._mems)
-        self.tensors = []
 
 
 class CudaOpened:
@@ -155,12 +146,6 @@ class HostSlots(_HostFenced):
     def close(self) -> None:
         self.tensors = []
         self._segment.close()
-        self._segment.unlink()
-
-    def leak(self) -> None:
-        """Keep the mapping for the life of the process (as `CudaSlots.leak`); the name goes."""
-        _LEAKED.append(self._segment)
-        self.tensors = []
         self._segment.unlink()
 
 

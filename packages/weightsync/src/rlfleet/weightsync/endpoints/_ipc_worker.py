@@ -4,7 +4,9 @@ A sync plan's "cuda_ipc" step has one writer (holding every bucket) and its same
 `IpcChannelWriter` owns the writer's `CudaIpcSender`: made at the first `channel` call for a
 set of readers, reused for every version while the readers, the layout and the backend stay
 the same, replaced when they change, and closed after a failed send, so that its readers fail
-at once (the channel is closed) instead of waiting for a version that will not come.
+at once (the channel is closed) instead of waiting for a version that will not come. A channel
+closed while a late reader still maps its slots keeps them only until that reader left (every
+call of the writer frees what no reader maps any more; `held_slots` counts them).
 `IpcChannelReader` holds the reader's `CudaIpcReceiver`, attached at its first receive from a
 channel and kept while the channel is; it receives into the worker's endpoint (two-phase
 commit: a version lands on every reader or on none) and leaves the channel after any failure,
@@ -49,6 +51,7 @@ class IpcChannelWriter:
         self.detach_timeout_s = detach_timeout_s
         self._sender: CudaIpcSender | None = None
         self._key: tuple[object, ...] | None = None
+        self._retired: list[CudaIpcSender] = []  # closed while a reader still mapped their slots
         self._lock = threading.Lock()
 
     @property
@@ -56,6 +59,15 @@ class IpcChannelWriter:
         """The open channel's name (None: none is open)."""
         sender = self._sender
         return None if sender is None else sender.name
+
+    @property
+    def held_slots(self) -> int:
+        """Slot buffers this writer holds: the open channel's, and those of closed channels that a
+        live reader still maps (each freed as soon as no reader does: looked at on every call)."""
+        with self._lock:
+            self._free_retired_locked()
+            held = sum(sender.held_slots for sender in self._retired)
+            return held + (0 if self._sender is None else self._sender.held_slots)
 
     def channel(
         self,
@@ -74,6 +86,7 @@ class IpcChannelWriter:
             raise ValueError("an IPC channel needs at least one reader")
         key = (tuple(readers), layout.digest, layout.bucket_bytes, backend, device, checksums)
         with self._lock:
+            self._free_retired_locked()
             if self._sender is not None and self._key == key:
                 return self._sender.name
             self._close_locked()
@@ -93,6 +106,7 @@ class IpcChannelWriter:
         """Send `version` through channel `name` (it must be the open one); bytes moved. On any
         failure the channel is closed: its readers stop waiting, the next version gets a new one."""
         with self._lock:
+            self._free_retired_locked()
             sender = self._sender
         if sender is None or sender.name != name:
             raise WeightSyncError(
@@ -108,9 +122,10 @@ class IpcChannelWriter:
             raise
 
     def close(self) -> None:
-        """Close the open channel (its readers see it closed)."""
+        """Close the open channel (its readers see it closed); free every slot no reader maps."""
         with self._lock:
             self._close_locked()
+            self._free_retired_locked()
 
     def _close_locked(self) -> None:
         sender, self._sender, self._key = self._sender, None, None
@@ -118,8 +133,12 @@ class IpcChannelWriter:
             return
         try:
             sender.close()
-        except SlotsStillMappedError as exc:  # leaked, not freed under a reader: say so, go on
-            _log.error("%s", exc)
+        except SlotsStillMappedError as exc:  # kept, not freed under a reader: freed once it left
+            _log.warning("%s", exc)
+            self._retired.append(sender)
+
+    def _free_retired_locked(self) -> None:
+        self._retired = [sender for sender in self._retired if not sender.free_slots()]
 
 
 class IpcChannelReader:
