@@ -7,13 +7,21 @@ signatures, and the recipes are written against them. Sources:
   ("Implementing a basic model", https://docs.vllm.ai/en/latest/contributing/model/basic.html);
   the worker extension mechanism (``LLM(..., worker_extension_cls="pkg.mod.Class")``, its methods
   called on every worker with ``LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)``,
-  inside which ``self.model_runner.model`` is the model and ``self.device`` its device):
+  inside which ``self.model_runner.get_model()`` is the model (``runner.model`` may be a
+  CUDA-graph wrapper on a GPU) and ``self.device`` its device):
   https://docs.vllm.ai/en/latest/api/vllm/entrypoints/llm.html and the RLHF example,
-  https://docs.vllm.ai/en/latest/examples/offline_inference/rlhf.html.
+  https://docs.vllm.ai/en/latest/examples/offline_inference/rlhf.html. Checked against vLLM
+  0.33.0's source (``vllm/v1/worker/gpu_worker.py``, ``gpu_model_runner.py``) and run against it
+  on the CPU by ``tests/e2e/test_vllm.py -m vllm``.
 - SGLang ``Engine``: ``update_weights_from_tensor``, ``init_weights_update_group``,
   ``update_weights_from_distributed``, ``flush_cache`` ("SGLang for RL Systems",
   https://docs.sglang.io/advanced_features/sglang_for_rl.html; signatures as defined in
-  ``python/sglang/srt/entrypoints/engine.py``).
+  ``python/sglang/srt/entrypoints/engine.py``, read at commit 001067f of sgl-project/sglang:
+  ``update_weights_from_tensor(self, named_tensors: Union[List[Tuple[str, torch.Tensor]],
+  List[SerializedTensorPayload]], load_format: Optional[str] = None, flush_cache: bool = True)``;
+  with ``load_format="flattened_bucket"`` the list holds one serialized
+  ``{"flattened_tensor", "metadata"}`` payload per tensor-parallel rank). SGLang is not
+  installable here: nothing of it runs in this project's tests.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ class VllmModel(Protocol):
 class VllmModelRunner(Protocol):
     model: VllmModel
     model_config: Any
+
+    def get_model(self) -> Any: ...
 
 
 class VllmWorker(Protocol):
@@ -59,7 +69,7 @@ class SglangEngine(Protocol):
 
     def update_weights_from_tensor(
         self,
-        named_tensors: list[tuple[str, torch.Tensor]],
+        named_tensors: list[tuple[str, torch.Tensor]] | list[Any],
         load_format: str | None = None,
         flush_cache: bool = True,
     ) -> Any: ...

@@ -5,12 +5,18 @@ Two paths, as SGLang offers them:
 
 1. ``update_weights_from_tensor`` (the engine's process receives): any rlfleet transport lands
    buckets in the process that owns the ``Engine`` (a `BroadcastReceiver` for a trainer on
-   another node, `SharedBufferReader.copy_version` for one on this node); `sglang_consumer` turns
-   each landed bucket into one ``update_weights_from_tensor`` call (bucketed refit, not one call
-   per parameter) and flushes the radix cache once per version:
+   another node, `SharedBufferReader.copy_version` for one on this node, a `CudaIpcReceiver` on
+   the GPU). `sglang_bucket_consumer` hands each landed bucket to SGLang in its own
+   flattened-bucket format (``load_format="flattened_bucket"``): the bucket *is* the flat tensor
+   (a typed view, one per dtype in it; `weightsync.engines.flattened_bucket`), so nothing is
+   re-packed, and SGLang's model runner rebuilds each weight as a view of it. One engine call
+   per bucket, the radix cache flushed once per version:
 
-       consumer = sglang_consumer(engine, layout)               # a weightsync BucketConsumer
+       consumer = sglang_bucket_consumer(engine, layout, tp_size=2)   # a weightsync BucketConsumer
        BroadcastReceiver(layout, group, 0).receive(consumer, deadline=300)
+
+   `sglang_consumer` is the same with SGLang's default format (named tensors, serialized by
+   SGLang one by one) and rlfleet's transforms (rename, cast) in between.
 
 2. ``update_weights_from_distributed`` (SGLang's own NCCL group receives): the trainer joins the
    group SGLang made with ``init_weights_update_group`` and `push_distributed` walks the rlfleet
@@ -22,7 +28,7 @@ Two paths, as SGLang offers them:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Literal
@@ -39,6 +45,46 @@ from rlfleet.weightsync import (
     WeightTransform,
     dtype_name,
 )
+from rlfleet.weightsync.engines import SglangBucketConsumer
+
+
+def sglang_bucket_consumer(
+    engine: SglangEngine,
+    layout: Layout,
+    *,
+    tp_size: int,
+    mode: Literal["staged", "stream"] = "staged",
+    rename_prefix: tuple[str, str] | None = None,
+    serialize: Callable[[Any], Any] | None = None,
+) -> SglangBucketConsumer:
+    """A BucketConsumer feeding SGLang's flattened-bucket ``update_weights_from_tensor``.
+
+    `serialize` is SGLang's ``MultiprocessingSerializer.serialize`` (the default, imported from
+    SGLang): one payload per tensor-parallel rank (`tp_size`), as SGLang's engine expects them
+    with ``load_format="flattened_bucket"``. "staged" (default): the engine gets the version only
+    once every bucket arrived; "stream": each bucket as it lands (no staging copy; a version
+    that fails after the first bucket leaves the engine partly loaded, `PartialLoadError`).
+    """
+    if serialize is None:
+        from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
+
+        serialize = MultiprocessingSerializer.serialize
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    encode = serialize
+
+    def update(payload: dict[str, Any]) -> Any:
+        per_rank = [encode(payload) for _ in range(tp_size)]
+        return engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket", flush_cache=False)
+
+    rename = None
+    if rename_prefix is not None:
+        old, new = rename_prefix
+
+        def rename(name: str) -> str:
+            return new + name[len(old) :] if name.startswith(old) else name
+
+    return SglangBucketConsumer(layout, update, flush=engine.flush_cache, mode=mode, rename=rename)
 
 
 def sglang_consumer(

@@ -73,7 +73,9 @@ class Fused(nn.Module):
                 self.qkv.data.narrow(0, offset, size).copy_(w.narrow(0, r * size, size))
             elif name in ("gate_proj.weight", "up_proj.weight"):
                 size = INTER // tp
-                self.gate_up.data.narrow(0, 0 if name[0] == "g" else size, size).copy_(w.narrow(0, r * size, size))
+                self.gate_up.data.narrow(0, 0 if name[0] == "g" else size, size).copy_(
+                    w.narrow(0, r * size, size)
+                )
             elif name == "o_proj.weight":
                 size = Q // tp
                 self.o.data.copy_(w.narrow(1, r * size, size).to(self.o.dtype))
@@ -143,8 +145,10 @@ def test_at_tensor_parallel_2_each_rank_needs_exactly_its_slice() -> None:
     models = [Fused(r, 2) for r in (0, 1)]
     maps = [record_loader_map(m.load_weights, m, entries()) for m in models]
     needed = [m.needed() for m in maps]
-    assert needed[0]["q_proj.weight"] == ((0, 4), (0, H)) and needed[1]["q_proj.weight"] == ((4, 8), (0, H))
-    assert needed[0]["o_proj.weight"] == ((0, H), (0, 4)) and needed[1]["o_proj.weight"] == ((0, H), (4, 8))
+    assert needed[0]["q_proj.weight"] == ((0, 4), (0, H))
+    assert needed[1]["q_proj.weight"] == ((4, 8), (0, H))
+    assert needed[0]["o_proj.weight"] == ((0, H), (0, 4))
+    assert needed[1]["o_proj.weight"] == ((0, H), (4, 8))
     assert needed[1]["embed_tokens.weight"] == ((6, VOCAB), (0, H))  # the padding is the loader's zeros
     assert needed[0]["norm.weight"] == needed[1]["norm.weight"] == ((0, H),)
     for rank, loader_map in enumerate(maps):
@@ -155,7 +159,9 @@ def test_at_tensor_parallel_2_each_rank_needs_exactly_its_slice() -> None:
             for name, box in needed[rank].items():
                 index = tuple(slice(a, b) for a, b in box)
                 poisoned[name][index] = full[name][index]
-            slices = {n: poisoned[n][tuple(slice(a, b) for a, b in box)].clone() for n, box in needed[rank].items()}
+            slices = {
+                n: poisoned[n][tuple(slice(a, b) for a, b in box)].clone() for n, box in needed[rank].items()
+            }
             reference = loaded(version, rank, 2)
             assert same(assembled(loader_map, poisoned.items()), reference)
             assert same(assembled(loader_map.sliced(), slices.items()), reference)
@@ -164,9 +170,11 @@ def test_at_tensor_parallel_2_each_rank_needs_exactly_its_slice() -> None:
 def test_derived_transforms_drop_what_the_loader_ignores_and_cast_to_the_landing_dtype() -> None:
     model = Fused()
     stages = record_loader_map(model.load_weights, model, entries()).transforms()
-    assert isinstance(stages[0], Drop) and stages[0].pattern.search("lm_head.weight")
+    assert isinstance(stages[0], Drop)
+    assert stages[0].pattern.search("lm_head.weight")
     casts = [s for s in stages if isinstance(s, Cast)]
-    assert len(casts) == 1 and casts[0].dtype == torch.bfloat16
+    assert len(casts) == 1
+    assert casts[0].dtype == torch.bfloat16
     consumer = LoadWeightsConsumer(Layout(entries_for_layout(), 4096), model.load_weights, transforms=stages)
     assert all(dtype == "bfloat16" for _, _, dtype in consumer.plan)
     assert "lm_head.weight" not in {name for name, _, _ in consumer.plan}
@@ -198,9 +206,11 @@ def test_the_map_travels_as_json() -> None:
     model = Fused(1, 2)
     loader_map = record_loader_map(model.load_weights, model, entries())
     again = LoaderMap.from_json(loader_map.to_json())
-    assert again.pieces == loader_map.pieces and again.fills == loader_map.fills
-    assert dict(again.sources) == dict(loader_map.sources) and dict(again.params) == dict(loader_map.params)
-    with pytest.raises(Exception, match="malformed|box"):
+    assert again.pieces == loader_map.pieces
+    assert again.fills == loader_map.fills
+    assert dict(again.sources) == dict(loader_map.sources)
+    assert dict(again.params) == dict(loader_map.params)
+    with pytest.raises(Exception, match=r"malformed|box"):
         LoaderMap.from_json('{"sources": [], "params": [], "pieces": [["a", [[0]], "b", []]], "fills": []}')
 
 
@@ -236,7 +246,7 @@ def test_uncovered_parameters_and_unknown_or_misshaped_tensors_are_named() -> No
     stage = full.assemble()
     with pytest.raises(LayoutMismatchError, match="'nope'"):
         list(stage.feed("nope", torch.zeros(1)))
-    with pytest.raises(LayoutMismatchError, match="'norm.weight'"):
+    with pytest.raises(LayoutMismatchError, match=r"'norm\.weight'"):
         list(stage.feed("norm.weight", torch.zeros(3)))
     list(stage.feed("q_proj.weight", torch.zeros(Q, H)))
     with pytest.raises(LayoutMismatchError, match="incomplete"):
@@ -246,7 +256,7 @@ def test_uncovered_parameters_and_unknown_or_misshaped_tensors_are_named() -> No
 
 
 def test_a_loader_writing_outside_the_model_is_named() -> None:
-    with pytest.raises(ValueError, match="'embed_tokens.weight'.*none of the model's"):
+    with pytest.raises(ValueError, match=r"'embed_tokens\.weight'.*none of the model's"):
         record_loader_map(Fused().load_weights, Fused(), entries())
 
 

@@ -118,7 +118,8 @@ def test_the_consumer_refits_every_version_one_call_per_bucket_and_dtype(mode: s
             assert checksum(engine.weights) == checksum(state(version))
             assert consumer.version == version
         in_shm = [start <= p < end for p in engine.pointers]
-    assert engine.calls == 3 * calls and engine.flushes == 3
+    assert engine.calls == 3 * calls
+    assert engine.flushes == 3
     assert all(in_shm) if mode == "stream" else not any(in_shm)  # stream: straight from the node buffer
 
 
@@ -130,10 +131,12 @@ def test_an_engine_failure_is_a_partial_load_naming_the_bucket() -> None:
         node.publish(state(1), 1)
         with pytest.raises(PartialLoadError, match=r"bucket \d+ of version 1.*injected"):
             reader.copy_version(1, consumer, 30.0)
-        assert consumer.version == -1 and consumer.torn
+        assert consumer.version == -1
+        assert consumer.torn
         node.publish(state(2), 2)
         reader.copy_version(2, consumer, 30.0)  # the next complete version repairs the engine
-    assert checksum(engine.weights) == checksum(state(2)) and not consumer.torn
+    assert checksum(engine.weights) == checksum(state(2))
+    assert not consumer.torn
 
 
 def test_bad_buckets_are_refused_by_name() -> None:

@@ -28,18 +28,22 @@ def test_weightsync_imports_without_vllm_and_the_backend_says_what_it_needs() ->
         "assert 'vllm' not in sys.modules and 'sglang' not in sys.modules\n"
         "try:\n    e.register_vllm_backend()\nexcept ImportError as exc:\n    print(exc.name)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() in ("vllm", "")  # "" where vLLM is installed: it registered
 
 
 def test_infos_are_plain_json_and_survive_the_round_trip_vllm_makes() -> None:
     info = VllmInitInfo(layout_digest="abc", node_name="rlfleet_1", rename_prefix=["module.", ""])
     again = VllmInitInfo(**json.loads(json.dumps(asdict(info))))
-    assert again == info and again.prefix == ("module.", "")
+    assert again == info
+    assert again.prefix == ("module.", "")
     update = VllmUpdateInfo(**json.loads(json.dumps(asdict(VllmUpdateInfo(7, timeout_s=2.0)))))
     assert update.version == 7
     trainer = VllmTrainerInitInfo(workers=2, rank=1, rename_prefix=("module.", ""))
-    assert trainer.backend == VLLM_BACKEND == "rlfleet" and not trainer.is_sender
+    assert trainer.backend == VLLM_BACKEND == "rlfleet"
+    assert not trainer.is_sender
 
 
 @pytest.mark.parametrize(
@@ -52,7 +56,13 @@ def test_infos_are_plain_json_and_survive_the_round_trip_vllm_makes() -> None:
         ({"layout_digest": "d", "node_name": "n", "rename_prefix": ["only one"]}, "rename_prefix"),
         ({"layout_digest": "d", "transport": "broadcast", "store_host": "h", "store_port": 0}, "store_port"),
         (
-            {"layout_digest": "d", "transport": "broadcast", "store_host": "h", "store_port": 5, "group_size": 1},
+            {
+                "layout_digest": "d",
+                "transport": "broadcast",
+                "store_host": "h",
+                "store_port": 5,
+                "group_size": 1,
+            },
             "group_size",
         ),
     ],
