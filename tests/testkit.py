@@ -1,7 +1,9 @@
-"""Helpers the policygroup and e2e suites share: a free port and a multi-node Ray cluster.
+"""Helpers the Ray suites share: a free port, a multi-node Ray cluster and the policy groups
+built on it.
 
-Importing this module imports neither ray nor torch (the routing, placement and weightsync
-suites run in environments without them); `ray_cluster` imports ray when it starts one.
+Importing this module imports neither ray nor torch nor any rlfleet package (the routing,
+placement and weightsync suites run in environments without some of them); each helper imports
+what it needs when it is called.
 """
 
 from __future__ import annotations
@@ -9,10 +11,20 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 CURRENT_CLUSTER = "/tmp/ray/ray_current_cluster"  # Ray's pointer to the last cluster it started
+#: The suites' six-actor layout on `ray_cluster(3)`: disaggregated plans mix node buffers (node0,
+#: node1) and a cross-node broadcast (to node2, which has no trainer).
+PLACES = {
+    "train0": "node0",
+    "train1": "node1",
+    "eval0": "node0",
+    "eval1": "node1",
+    "eval2": "node2",
+    "eval3": "node2",
+}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,3 +94,54 @@ def eval_state(group: Any) -> list[tuple[int, str]]:
     versions = ray.get([p.get_weight_version.remote() for p in group.eval_list], timeout=60)
     sums = ray.get([p.get_weight_checksum.remote() for p in group.eval_list], timeout=60)
     return list(zip(versions, sums, strict=True))
+
+
+def spawn_actors(
+    cls: type, config: Any, places: Mapping[str, str] = PLACES, **options: Any
+) -> dict[str, Any]:
+    """One Ray actor of `cls` per name in `places` ("train<i>" / "eval<i>": role and index), pinned
+    to its node's resource; `options` go to ``.options`` (num_cpus=0 and max_concurrency=16 unless
+    given). Returns at once: the caller waits for them to come up."""
+    import ray
+
+    remote = ray.remote(cls)
+    options = {"num_cpus": 0, "max_concurrency": 16, **options}
+    return {
+        name: remote.options(resources={node: 1}, **options).remote(
+            config=config, role="train" if name.startswith("train") else "eval", index=int(name[-1])
+        )
+        for name, node in places.items()
+    }
+
+
+def ready_group(
+    train: Sequence[Any],
+    evals: Sequence[Any],
+    config: Any,
+    *,
+    colocated: bool = False,
+    align_trainers: bool = False,
+) -> Any:
+    """A `PolicyGroup` of these Ray actors, built as the seed's driver builds one (init, placement,
+    buffers, gloo groups) and synced once, so that its rollout workers start from the trainers'
+    weights whatever they served before. `align_trainers`: load the first trainer's weights into
+    the others first (data-parallel replicas; a restarted or fresh one starts from its own)."""
+    import ray
+
+    from rlfleet.policygroup import PolicyGroup, TrainConfig
+
+    group = PolicyGroup(list(train), list(evals), config)
+    try:
+        group.init(TrainConfig(lr=1e-2))
+        if align_trainers:
+            state = ray.get(train[0].get_state_dict.remote(), timeout=60)
+            ray.get([t.load_state_dict.remote(state) for t in train[1:]], timeout=60)
+        group.init_placement_info(is_colocated=colocated)
+        group.init_weight_buffer()
+        group.init_comm_group("gloo", is_colocated=colocated)
+        group.sync_weights()
+    except BaseException:
+        with contextlib.suppress(Exception):  # the first error is the one to see
+            group.shutdown()
+        raise
+    return group

@@ -2,12 +2,15 @@
 
 Layout: node0: train0, eval0 | node1: train1, eval1 | node2: eval2, eval3. Disaggregated plans
 then mix shared-memory items (node0, node1) and a cross-node broadcast (to node2); colocated
-plans pair train i with eval i on one node. The fault tests kill actors and so run last.
+plans pair train i with eval i on one node. The fault tests kill only actors they spawned
+themselves (`spares`), so every test runs in any order against the same shared actors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +20,7 @@ ray = pytest.importorskip("ray")
 
 import pg_policies  # noqa: E402
 from pg_policies import OBS_DIM, MLPPolicy, make_model  # noqa: E402
-from testkit import node_ids  # noqa: E402
+from testkit import PLACES, node_ids, ready_group, spawn_actors  # noqa: E402
 
 from rlfleet.placement import build_transfer_info_for_disaggregated  # noqa: E402
 from rlfleet.policygroup import (  # noqa: E402
@@ -39,14 +42,7 @@ STRATEGIES = [
     ("Shared", "CPUWeightBuffer"),
     ("Sharded", "ShardedWeightBuffer"),
 ]
-PLACES = {
-    "train0": "node0",
-    "train1": "node1",
-    "eval0": "node0",
-    "eval1": "node1",
-    "eval2": "node2",
-    "eval3": "node2",
-}
+EVALS = ("eval0", "eval1", "eval2", "eval3")
 
 
 def config(
@@ -65,30 +61,37 @@ def config(
 
 
 @pytest.fixture(scope="module")
-def actors(cluster: Any) -> dict[str, Any]:
-    remote = ray.remote(MLPPolicy)
-    out = {}
-    for name, node in PLACES.items():
-        role = "train" if name.startswith("train") else "eval"
-        out[name] = remote.options(num_cpus=0, max_concurrency=16, resources={node: 1}).remote(
-            config=config(), role=role, index=int(name[-1])
-        )
+def actors(cluster: Any) -> Iterator[dict[str, Any]]:
+    """The six shared actors (`testkit.PLACES`); no test kills one of them."""
+    out = spawn_actors(MLPPolicy, config(), PLACES)
     ray.get([a.is_alive.remote() for a in out.values()], timeout=240)
-    return out
+    yield out
+    for a in out.values():
+        ray.kill(a)
 
 
-def make_group(
+@contextlib.contextmanager
+def spares(places: dict[str, str]) -> Iterator[dict[str, Any]]:
+    """Fresh actors (name -> node, as `PLACES`) for a test that kills them; gone afterwards."""
+    out = spawn_actors(MLPPolicy, config(), places)
+    try:
+        ray.get([a.is_alive.remote() for a in out.values()], timeout=240)
+        yield out
+    finally:
+        for a in out.values():
+            ray.kill(a)
+
+
+def group_of(
     actors: dict[str, Any],
     cfg: PolicyConfig,
     colocated: bool = False,
-    evals: tuple[str, ...] = ("eval0", "eval1", "eval2", "eval3"),
+    evals: tuple[str, ...] = EVALS,
+    align_trainers: bool = False,
 ) -> PolicyGroup:
-    group = PolicyGroup([actors["train0"], actors["train1"]], [actors[e] for e in evals], cfg)
-    group.init(TrainConfig(lr=1e-2))
-    group.init_placement_info(is_colocated=colocated)
-    group.init_weight_buffer()
-    group.init_comm_group("gloo", is_colocated=colocated)
-    group.sync_weights()  # rollout workers start from the trainers' weights (they served other groups before)
+    """train0 and train1 with `evals`, synced once (`testkit.ready_group`)."""
+    train, rollout = [actors["train0"], actors["train1"]], [actors[e] for e in evals]
+    group: PolicyGroup = ready_group(train, rollout, cfg, colocated=colocated, align_trainers=align_trainers)
     return group
 
 
@@ -141,7 +144,7 @@ def train_sync_and_check(group: PolicyGroup, step: int) -> None:
 
 @pytest.mark.parametrize(("strategy", "kind"), STRATEGIES)
 def test_sync_disaggregated_every_strategy(actors: dict[str, Any], strategy: str, kind: str) -> None:
-    group = make_group(actors, config(strategy, kind))
+    group = group_of(actors, config(strategy, kind))
     try:
         nodes = {group.node_of(p) for p in group.eval_list}
         assert len(nodes) == 3
@@ -156,7 +159,7 @@ def test_sync_disaggregated_every_strategy(actors: dict[str, Any], strategy: str
 
 @pytest.mark.parametrize(("strategy", "kind"), STRATEGIES)
 def test_sync_colocated_every_strategy(actors: dict[str, Any], strategy: str, kind: str) -> None:
-    group = make_group(actors, config(strategy, kind), colocated=True, evals=("eval0", "eval1"))
+    group = group_of(actors, config(strategy, kind), colocated=True, evals=("eval0", "eval1"))
     try:
         assert all(s.transport == "node_buffer" for s in group.sync_plan.steps)  # each pair shares a node
         train_sync_and_check(group, 3)
@@ -168,7 +171,7 @@ def test_seed_plan_runs_as_planned(actors: dict[str, Any]) -> None:
     """The seed's plans run too: colocated pairs hand over point to point, disaggregated ones
     funnel through the seed's round robin; `transfer_info` is the seed's shape of the plan."""
     cfg = config("Double", planner="seed")
-    group = make_group(actors, cfg, colocated=True, evals=("eval0", "eval1"))
+    group = group_of(actors, cfg, colocated=True, evals=("eval0", "eval1"))
     try:
         assert group.sync_plan.name == "seed"
         assert set(group.transfer_info) == {"all"}
@@ -176,7 +179,7 @@ def test_seed_plan_runs_as_planned(actors: dict[str, Any]) -> None:
         train_sync_and_check(group, 4)
     finally:
         group.shutdown()
-    group = make_group(actors, config("Shared", "CPUWeightBuffer", planner="seed"))
+    group = group_of(actors, config("Shared", "CPUWeightBuffer", planner="seed"))
     try:
         plan = group.sync_plan
         assert plan.name == "seed"
@@ -197,7 +200,7 @@ def test_node_affinity_routing(actors: dict[str, Any], mode: str) -> None:
         "node1": {"env": {"ids": [4, 5, 6, 7]}, "eval": {"ids": [1]}},
         "node2": {"env": {"ids": [8, 9, 10, 11]}, "eval": {"ids": [2, 3]}},
     }
-    group = make_group(
+    group = group_of(
         actors, config(rollout_mode=mode, router_type="node_affinity", component_distribution=dist)
     )
     try:
@@ -214,7 +217,7 @@ def test_node_affinity_routing(actors: dict[str, Any], mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_least_load_routing_spreads_and_releases(actors: dict[str, Any], mode: str) -> None:
-    group = make_group(actors, config(rollout_mode=mode))
+    group = group_of(actors, config(rollout_mode=mode))
     try:
         out = rollout_values(group, obs(40))
         per_worker: dict[int, int] = {}
@@ -227,7 +230,7 @@ def test_least_load_routing_spreads_and_releases(actors: dict[str, Any], mode: s
 
 
 def test_rolling_update_keeps_serving(actors: dict[str, Any]) -> None:
-    group = make_group(actors, config("Double"))
+    group = group_of(actors, config("Double"))
     try:
         group.train(None, seed=7)
         errors: list[BaseException] = []
@@ -257,7 +260,7 @@ def test_rolling_update_keeps_serving(actors: dict[str, Any]) -> None:
 
 
 def test_role_conversion(actors: dict[str, Any]) -> None:
-    group = make_group(actors, config("Double"))
+    group = group_of(actors, config("Double"))
     try:
         group.train(None, seed=11)
         group.sync_weights()
@@ -281,7 +284,7 @@ def test_role_conversion(actors: dict[str, Any]) -> None:
 
 
 def test_sync_report_matches_the_plan_it_ran(actors: dict[str, Any]) -> None:
-    group = make_group(actors, config("Shared", "CPUWeightBuffer"))
+    group = group_of(actors, config("Shared", "CPUWeightBuffer"))
     try:
         plan = group.sync_plan
         assert plan is not None
@@ -311,7 +314,7 @@ def test_pop_replans_like_a_death(actors: dict[str, Any]) -> None:
     """Shared: the popped reader leaves its node buffer and the next syncs work; None: the
     popped worker is never written to again; both keep serving what they held."""
     for strategy, kind in (("Shared", "CPUWeightBuffer"), ("None", "WeightBuffer")):
-        group = make_group(actors, config(strategy, kind))
+        group = group_of(actors, config(strategy, kind))
         try:
             popped = group.pop("eval")
             assert popped is actors["eval3"]
@@ -330,7 +333,7 @@ def test_pop_replans_like_a_death(actors: dict[str, Any]) -> None:
 
 
 def test_postprocess_offload_and_pop_push_on_ray_actors(actors: dict[str, Any]) -> None:
-    group = make_group(actors, config("Double"))
+    group = group_of(actors, config("Double"))
     try:
         batch = obs(6)
         ids = [f"env-{i}" for i in range(6)]
@@ -356,25 +359,22 @@ def test_postprocess_offload_and_pop_push_on_ray_actors(actors: dict[str, Any]) 
         group.shutdown()
 
 
-def test_worker_shutdown_releases_its_node_buffer(actors: dict[str, Any]) -> None:
-    remote = ray.remote(MLPPolicy)
-    trainer = remote.options(num_cpus=0, resources={"node1": 1}).remote(config=config(), role="train")
-    reader = remote.options(num_cpus=0, resources={"node1": 1}).remote(config=config())
-    group = PolicyGroup([trainer], [reader], config("Shared", "CPUWeightBuffer"))
-    group.init(TrainConfig(lr=1e-2))
-    group.init_placement_info()
-    group.init_weight_buffer()
-    group.sync_weights()
-    [entry] = group.shared_weight_buffer_map.values()
-    name = entry["shared_weight_buffer"]["name"]
-    assert ray.get(reader.get_weight_version.remote(), timeout=60) == 1
-    assert ray.get(trainer.shutdown.remote(), timeout=60) is True
-    assert ray.get(reader.shutdown.remote(), timeout=60) is True
-    assert not ray.get(trainer.segment_exists.remote(name), timeout=60)  # unlinked by its writer
-    out = ray.get(reader._rollout.remote(obs(1)[0]), timeout=60)  # private weights, still version 1
-    assert out["version"] == 1
-    for a in (trainer, reader):
-        ray.kill(a)
+def test_worker_shutdown_releases_its_node_buffer(cluster: Any) -> None:
+    with spares({"train0": "node1", "eval0": "node1"}) as own:
+        trainer, reader = own["train0"], own["eval0"]
+        group = PolicyGroup([trainer], [reader], config("Shared", "CPUWeightBuffer"))
+        group.init(TrainConfig(lr=1e-2))
+        group.init_placement_info()
+        group.init_weight_buffer()
+        group.sync_weights()
+        [entry] = group.shared_weight_buffer_map.values()
+        name = entry["shared_weight_buffer"]["name"]
+        assert ray.get(reader.get_weight_version.remote(), timeout=60) == 1
+        assert ray.get(trainer.shutdown.remote(), timeout=60) is True
+        assert ray.get(reader.shutdown.remote(), timeout=60) is True
+        assert not ray.get(trainer.segment_exists.remote(name), timeout=60)  # unlinked by its writer
+        out = ray.get(reader._rollout.remote(obs(1)[0]), timeout=60)  # private weights, still version 1
+        assert out["version"] == 1
 
 
 def test_comm_group_names_the_rank_that_did_not_join(actors: dict[str, Any]) -> None:
@@ -402,66 +402,56 @@ def test_comm_group_names_the_rank_that_did_not_join(actors: dict[str, Any]) -> 
         assert info.value.cause.missing_ranks == (2,)
 
 
-def test_zy_sharded_group_survives_a_dead_rollout_worker(actors: dict[str, Any]) -> None:
-    remote = ray.remote(MLPPolicy)
-    extra = [
-        remote.options(num_cpus=0, max_concurrency=16, resources={"node2": 1}).remote(
-            config=config(), index=i
-        )
-        for i in (4, 5, 6)
-    ]
-    group = PolicyGroup([actors["train0"], actors["train1"]], extra, config("Sharded", "ShardedWeightBuffer"))
-    try:
-        group.init(TrainConfig(lr=1e-2))
-        group.init_placement_info()
-        group.init_weight_buffer()
-        group.init_comm_group("gloo")
-        group.sync_weights()
-        ray.kill(extra[2], no_restart=True)
-        group.train(None, seed=61)
-        group.sync_weights()  # re-planned by placement: two shares on node2 now
-        assert len(group.eval_list) == 2
-        assert sorted(p.shard for p in group.sync_plan.rollouts) == [(0, 2), (1, 2)]
-        check_synced(group)
-        train_sync_and_check(group, 62)
-    finally:
-        group.shutdown()
-        for a in extra:
-            ray.kill(a)
+def test_a_sharded_group_replans_its_shards_when_a_rollout_worker_dies(actors: dict[str, Any]) -> None:
+    with spares({"eval4": "node2", "eval5": "node2", "eval6": "node2"}) as extra:
+        group = group_of({**actors, **extra}, config("Sharded", "ShardedWeightBuffer"), evals=tuple(extra))
+        try:
+            ray.kill(extra["eval6"], no_restart=True)
+            group.train(None, seed=61)
+            group.sync_weights()  # re-planned by placement: two shares on node2 now
+            assert len(group.eval_list) == 2
+            assert sorted(p.shard for p in group.sync_plan.rollouts) == [(0, 2), (1, 2)]
+            check_synced(group)
+            train_sync_and_check(group, 62)
+        finally:
+            group.shutdown()
 
 
-def test_zz_dead_eval_is_dropped_and_sync_completes(actors: dict[str, Any]) -> None:
-    group = make_group(actors, config("Double"))
-    try:
-        group.train(None, seed=21)
-        victim = actors["eval3"]
-        ray.kill(victim, no_restart=True)
-        group.sync_weights()  # detects the death, re-plans, syncs the survivors
-        assert len(group.eval_list) == 3
-        assert all(p is not victim for p in group.eval_list)
-        check_synced(group)
-        out = rollout_values(group, obs(9))
-        assert {r["worker"] for r in out} == {0, 1, 2}
-        # now one dies between syncs while rollouts are routed: it is dropped from routing too
-        ray.kill(actors["eval2"], no_restart=True)
-        resp = group.rollout_batch(BatchedData([f"env-{i}" for i in range(8)], obs(8)))
-        ray.wait(resp.values(), num_returns=8, timeout=60)
-        group.train(None, seed=22)
-        group.sync_weights()
-        assert len(group.eval_list) == 2
-        check_synced(group)
-        assert {r["worker"] for r in rollout_values(group, obs(6))} == {0, 1}
-    finally:
-        group.shutdown()
-
-
-def test_zzz_dead_train_worker_is_a_clear_error(actors: dict[str, Any]) -> None:
-    group = make_group(actors, config("Double"), evals=("eval0", "eval1"))
-    try:
-        ray.kill(actors["train1"], no_restart=True)
-        with pytest.raises(TrainWorkerDiedError, match="trainer 1"):
+def test_a_dead_rollout_worker_is_dropped_from_syncs_and_routing(actors: dict[str, Any]) -> None:
+    with spares({"eval2": "node2", "eval3": "node2"}) as victims:
+        group = group_of({**actors, **victims}, config("Double"))
+        try:
+            group.train(None, seed=21)
+            ray.kill(victims["eval3"], no_restart=True)
+            group.sync_weights()  # detects the death, re-plans, syncs the survivors
+            assert len(group.eval_list) == 3
+            assert all(p is not victims["eval3"] for p in group.eval_list)
+            check_synced(group)
+            out = rollout_values(group, obs(9))
+            assert {r["worker"] for r in out} == {0, 1, 2}
+            # now one dies between syncs while rollouts are routed: it is dropped from routing too
+            ray.kill(victims["eval2"], no_restart=True)
+            resp = group.rollout_batch(BatchedData([f"env-{i}" for i in range(8)], obs(8)))
+            ray.wait(resp.values(), num_returns=8, timeout=60)
+            group.train(None, seed=22)
             group.sync_weights()
-        with pytest.raises(TrainWorkerDiedError, match="trainer 1"):
-            group.train(None, seed=1)
-    finally:
-        group.shutdown()
+            assert len(group.eval_list) == 2
+            check_synced(group)
+            assert {r["worker"] for r in rollout_values(group, obs(6))} == {0, 1}
+        finally:
+            group.shutdown()
+
+
+def test_a_dead_trainer_is_a_clear_error_naming_it(actors: dict[str, Any]) -> None:
+    with spares({"train1": "node1"}) as victim:  # a fresh trainer 1, aligned with train0's weights
+        group = group_of(
+            {**actors, **victim}, config("Double"), evals=("eval0", "eval1"), align_trainers=True
+        )
+        try:
+            ray.kill(victim["train1"], no_restart=True)
+            with pytest.raises(TrainWorkerDiedError, match="trainer 1"):
+                group.sync_weights()
+            with pytest.raises(TrainWorkerDiedError, match="trainer 1"):
+                group.train(None, seed=1)
+        finally:
+            group.shutdown()
