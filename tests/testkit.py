@@ -1,5 +1,5 @@
-"""Helpers the Ray suites share: a free port, a multi-node Ray cluster and the policy groups
-built on it.
+"""Helpers every suite may share: packaging checks, worker outcomes, a free port, a multi-node
+Ray cluster and the policy groups built on it.
 
 Importing this module imports neither ray nor torch nor any rlfleet package (the routing,
 placement and weightsync suites run in environments without some of them); each helper imports
@@ -9,11 +9,15 @@ what it needs when it is called.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("routing", "placement", "weightsync", "policygroup")
 CURRENT_CLUSTER = "/tmp/ray/ray_current_cluster"  # Ray's pointer to the last cluster it started
 #: The suites' six-actor layout on `ray_cluster(3)`: disaggregated plans mix node buffers (node0,
 #: node1) and a cross-node broadcast (to node2, which has no trainer).
@@ -25,6 +29,32 @@ PLACES = {
     "eval2": "node2",
     "eval3": "node2",
 }
+
+
+def check_packaging(pkg: str) -> None:
+    """The packaging facts every rlfleet package keeps: `rlfleet.<pkg>.__version__` is its
+    `__about__` version, and `rlfleet` stays an implicit namespace (typed) in every package."""
+    module = importlib.import_module(f"rlfleet.{pkg}")
+    assert module.__version__ == importlib.import_module(f"rlfleet.{pkg}.__about__").__version__
+    for name in PACKAGES:
+        src = REPO / "packages" / name / "src"
+        assert (src / "rlfleet" / name / "py.typed").is_file(), f"{name} has no py.typed"
+        assert not (src / "rlfleet" / "__init__.py").exists(), f"{src}/rlfleet/__init__.py must not exist"
+
+
+def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run one step of a worker process: its value, or its error's type, message, `parameter` and
+    `missing` (JSON-safe, to compare in the test process)."""
+    try:
+        return {"ok": True, "value": fn()}
+    except Exception as exc:
+        return {
+            "ok": False,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "parameter": getattr(exc, "parameter", None),
+            "missing": getattr(exc, "missing", None),
+        }
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -25,7 +25,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 import fault_policies as fp  # noqa: E402
-from testkit import eval_state  # noqa: E402
+from testkit import PLACES, eval_state, ready_group, spawn_actors  # noqa: E402
 
 from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
@@ -43,14 +43,6 @@ from rlfleet.weightsync import LayoutMismatchError  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 ray.cloudpickle.register_pickle_by_value(fp)  # the workers need not import tests/
 
-PLACES = {
-    "train0": "node0",
-    "train1": "node1",
-    "eval0": "node0",
-    "eval1": "node1",
-    "eval2": "node2",
-    "eval3": "node2",
-}
 EVALS = ("eval0", "eval1", "eval2", "eval3")
 SYNC_TIMEOUT_S = 15.0
 GROUP_TIMEOUT_S = 10.0
@@ -80,12 +72,7 @@ def report(case: str, outcome: str, seconds: float) -> None:
 
 @pytest.fixture(scope="module")
 def actors(cluster: Any) -> dict[str, Any]:
-    remote = ray.remote(fp.FaultPolicy)
-    out = {}
-    for name, node in PLACES.items():
-        out[name] = remote.options(
-            num_cpus=0, max_concurrency=16, max_restarts=-1, resources={node: 1}
-        ).remote(config=config(), role="train" if name.startswith("train") else "eval", index=int(name[-1]))
+    out = spawn_actors(fp.FaultPolicy, config(), PLACES, max_restarts=-1)
     wait_alive(out.values(), 240.0)
     return out
 
@@ -116,17 +103,9 @@ def restore(actors: dict[str, Any]) -> Iterator[None]:
 def make_group(
     actors: dict[str, Any], strategy: str, evals: tuple[str, ...] = EVALS, cuda_ipc: str = "auto"
 ) -> PolicyGroup:
-    group = PolicyGroup(
-        [actors["train0"], actors["train1"]], [actors[e] for e in evals], config(strategy, cuda_ipc)
-    )
-    group.init(TrainConfig(lr=1e-2))
     # trainers are data-parallel replicas: a restarted one starts from train0's weights
-    state = ray.get(actors["train0"].get_state_dict.remote(), timeout=60)
-    ray.get(actors["train1"].load_state_dict.remote(state), timeout=60)
-    group.init_placement_info()
-    group.init_weight_buffer()
-    group.init_comm_group("gloo")
-    group.sync_weights()
+    train, rollout = [actors["train0"], actors["train1"]], [actors[e] for e in evals]
+    group: PolicyGroup = ready_group(train, rollout, config(strategy, cuda_ipc), align_trainers=True)
     return group
 
 

@@ -23,6 +23,14 @@ def make_model() -> nn.Module:
     )
 
 
+class Tiny(BasePolicy):
+    """The smallest policy with a hidden layer: for the worker-surface and refit tests, where only
+    the calls matter (not what the model computes)."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
 class MLPPolicy(BasePolicy):
     """A few MLP layers; rollouts return logits so tests can tell which weights served them."""
 

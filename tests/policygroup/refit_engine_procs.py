@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from refit_procs import collect, report
-from testkit import free_port
+from testkit import free_port, outcome
 
 from rlfleet.policygroup import BasePolicy, PolicyConfig, RolloutEngines, WeightBufferConfig
 from rlfleet.weightsync import BroadcastReceiver, DirectBuffer, Layout, MemberGroup, checksum, connect_store
@@ -43,13 +43,6 @@ class Trainer(BasePolicy):
         return build_model()
 
 
-def _outcome(fn: Any) -> dict[str, Any]:
-    try:
-        return {"ok": True, "value": fn()}
-    except Exception as exc:
-        return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
-
-
 def trainer(index: int, port: int) -> dict[str, Any]:
     config = PolicyConfig(group_timeout_s=60.0, weight_buffer=WeightBufferConfig(bucket_bytes=BUCKET))
     policy = Trainer(config, role="train", index=index, device="cpu")
@@ -58,18 +51,18 @@ def trainer(index: int, port: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for version in (1, 2):
         policy.load_state_dict(version_state(version))
-        out[f"v{version}"] = _outcome(lambda: policy.refit_rollout_engines(refit_timeout_s=DEADLINE_S))
+        out[f"v{version}"] = outcome(lambda: policy.refit_rollout_engines(refit_timeout_s=DEADLINE_S))
         # the same topology again: nothing is rebuilt (the engines do not rejoin)
         policy.connect_sglang_rollout_engines(engine_gpu_counts=COUNTS, engine_gpu_offsets=OFFSETS)
     out["state_before_loss"] = json.loads(json.dumps(policy._refit_transport_state("rollout_engines")))
     policy.load_state_dict(version_state(3))
-    out["v3"] = _outcome(lambda: policy.refit_rollout_engines(refit_timeout_s=DEADLINE_S))
+    out["v3"] = outcome(lambda: policy.refit_rollout_engines(refit_timeout_s=DEADLINE_S))
     out["version_after_loss"] = policy.get_weight_version()
     out["state"] = json.loads(json.dumps(policy._refit_transport_state("rollout_engines")))
-    out["v4"] = _outcome(lambda: policy.refit_rollout_engines(refit_timeout_s=DEADLINE_S))
+    out["v4"] = outcome(lambda: policy.refit_rollout_engines(refit_timeout_s=DEADLINE_S))
     # the lost engine is back (a new process): the same topology is connected anew
     policy.connect_sglang_rollout_engines(engine_gpu_counts=COUNTS, engine_gpu_offsets=OFFSETS)
-    out["v3_again"] = _outcome(lambda: policy.refit_rollout_engines(version=3, refit_timeout_s=DEADLINE_S))
+    out["v3_again"] = outcome(lambda: policy.refit_rollout_engines(version=3, refit_timeout_s=DEADLINE_S))
     out["state_recovered"] = json.loads(json.dumps(policy._refit_transport_state("rollout_engines")))
     return out
 
@@ -103,7 +96,7 @@ def engine(engine_index: int, local_rank: int, port: int, recovered: bool = Fals
     if (engine_index, local_rank) == DYING:
         return out  # the process exits now: the next refit loses a peer
     before = checksum(model.state_dict())
-    out["v3"] = _outcome(lambda: receiver.receive(buffer, DEADLINE_S).version)
+    out["v3"] = outcome(lambda: receiver.receive(buffer, DEADLINE_S).version)
     out["kept_v2"] = checksum(model.state_dict()) == before and buffer.version == 2
     del receiver, buffer  # leave the broken group: its sockets close, which its peers wait for
     gc.collect()  # a failed receive's traceback may hold the old group in a reference cycle

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from pg_policies import Tiny
 from refit_procs import collect, report
 from testkit import free_port
 
@@ -24,11 +25,6 @@ GEN = {"tp": 1}
 REFIT_TIMEOUT_S = 5.0
 STAND_DOWN_AT_S = 2.0
 PEER_EXITS_AT_S = 10.0
-
-
-class Tiny(BasePolicy):
-    def build_model(self) -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
 def version_weights(policy: BasePolicy, version: int) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import time
-import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from testkit import free_port
+from refit_procs import collect, report
+from testkit import free_port, outcome
 
 from rlfleet.placement import Parallelism, ParamSpec, plan_reshard
 from rlfleet.policygroup import BasePolicy, PolicyConfig
@@ -99,50 +98,41 @@ class Policy(BasePolicy):
         return all(torch.equal(getattr(self.model, n).detach(), t) for n, t in self.expected(version).items())
 
 
-def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
-    try:
-        return {"ok": True, "value": fn()}
-    except Exception as exc:
-        return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
-
-
 def worker(rank: int, ports: Sequence[int], queue: Any) -> None:
     """World ranks 0, 1: training stages 0 and 1; 2, 3: generation tp ranks 0 and 1."""
+    report(queue, rank, lambda: _body(rank, ports))
+
+
+def _body(rank: int, ports: Sequence[int]) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    try:
-        train = rank < 2
-        policy = Policy("train" if train else "eval", rank if train else rank - 2)
-        ips = ["127.0.0.1", "127.0.0.1"]
-        if train:
-            policy.init_nccl_reshard_comm_group(ips, list(ports), 2, rank, 3, 0)
-        else:
-            policy.init_nccl_reshard_comm_group(ips, list(ports), 2, -1, 3, 1 + policy.index)
-        out["info"] = policy.prepare_nccl_reshard_refit_info(TRAIN, GEN, 2, 2)
-        if train:
-            policy.load(1)
-            out["v1"] = _outcome(lambda: policy.nccl_reshard_refit(kv_scales={"k_scale": 0.25}))
-            policy.load(2)
-            if rank == 1:
-                time.sleep(4.0)  # stalls past the generation workers' deadline
-            out["stall"] = _outcome(lambda: policy.nccl_reshard_refit(refit_timeout_s=6.0))
-        else:
-            out["v1"] = _outcome(lambda: policy.nccl_reshard_refit())
-            out["v1_exact"] = policy.matches(1)
-            out["k_scale"] = float(policy.model.k_scale)
-            out["kv_scales"] = policy.reshard_kv_scales
-            out["version"] = policy.get_weight_version()
-            before = policy.get_weight_checksum()
-            out["stall"] = _outcome(lambda: policy.nccl_reshard_refit(refit_timeout_s=2.0))
-            out["intact"] = policy.get_weight_checksum() == before and policy.matches(1)
-            out["version_after"] = policy.get_weight_version()
-        out["stats"] = policy.get_reshard_stats()
-        queue.put((rank, "ok", out))
-    except BaseException as exc:
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
+    train = rank < 2
+    policy = Policy("train" if train else "eval", rank if train else rank - 2)
+    ips = ["127.0.0.1", "127.0.0.1"]
+    if train:
+        policy.init_nccl_reshard_comm_group(ips, list(ports), 2, rank, 3, 0)
+    else:
+        policy.init_nccl_reshard_comm_group(ips, list(ports), 2, -1, 3, 1 + policy.index)
+    out["info"] = policy.prepare_nccl_reshard_refit_info(TRAIN, GEN, 2, 2)
+    if train:
+        policy.load(1)
+        out["v1"] = outcome(lambda: policy.nccl_reshard_refit(kv_scales={"k_scale": 0.25}))
+        policy.load(2)
+        if rank == 1:
+            time.sleep(4.0)  # stalls past the generation workers' deadline
+        out["stall"] = outcome(lambda: policy.nccl_reshard_refit(refit_timeout_s=6.0))
+    else:
+        out["v1"] = outcome(lambda: policy.nccl_reshard_refit())
+        out["v1_exact"] = policy.matches(1)
+        out["k_scale"] = float(policy.model.k_scale)
+        out["kv_scales"] = policy.reshard_kv_scales
+        out["version"] = policy.get_weight_version()
+        before = policy.get_weight_checksum()
+        out["stall"] = outcome(lambda: policy.nccl_reshard_refit(refit_timeout_s=2.0))
+        out["intact"] = policy.get_weight_checksum() == before and policy.matches(1)
+        out["version_after"] = policy.get_weight_version()
+    out["stats"] = policy.get_reshard_stats()
+    return out
 
 
 def run(timeout: float = 240.0) -> dict[int, Any]:
@@ -150,25 +140,4 @@ def run(timeout: float = 240.0) -> dict[int, Any]:
     queue = ctx.Queue()
     ports = [free_port(), free_port()]
     procs = [ctx.Process(target=worker, args=(r, ports, queue), daemon=True) for r in range(4)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    end = time.monotonic() + timeout
-    try:
-        while len(results) < 4 and time.monotonic() < end:
-            try:
-                rank, status, value = queue.get(timeout=0.5)
-            except Exception:
-                continue
-            if status != "ok":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.1, end - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    if len(results) < 4:
-        raise AssertionError(f"only ranks {sorted(results)} returned within {timeout}s")
-    return results
+    return collect(procs, queue, len(procs), timeout)

@@ -1,25 +1,12 @@
-"""Packaging facts every rlfleet package must keep."""
+"""Packaging facts every rlfleet package must keep (the shared check), and policygroup's public names."""
 
-import importlib
-from pathlib import Path
+from testkit import check_packaging
 
 import rlfleet.policygroup
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def test_version_is_exposed() -> None:
-    assert (
-        rlfleet.policygroup.__version__
-        == importlib.import_module("rlfleet.policygroup.__about__").__version__
-    )
-
-
-def test_rlfleet_is_an_implicit_namespace_in_every_package() -> None:
-    for pkg in ("routing", "placement", "weightsync", "policygroup"):
-        src = REPO / "packages" / pkg / "src"
-        assert (src / "rlfleet" / pkg / "py.typed").is_file()
-        assert not (src / "rlfleet" / "__init__.py").exists(), f"{src}/rlfleet/__init__.py must not exist"
+def test_packaging_facts() -> None:
+    check_packaging("policygroup")
 
 
 def test_public_names_are_sorted_and_internals_stay_private() -> None:

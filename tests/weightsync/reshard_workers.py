@@ -13,9 +13,7 @@ import json
 import math
 import os
 import pickle
-import signal
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import weightsync_dist_workers as w
+from testkit import outcome
 
 from rlfleet.weightsync import (
     DoubleBuffer,
@@ -287,35 +286,6 @@ def programs(
     )
 
 
-# -- consumers ------------------------------------------------------------------------------------
-class SlowMapping(Mapping[str, torch.Tensor]):
-    """A state dict whose `name` stalls (or kills the process) from its `after`-th read on."""
-
-    def __init__(
-        self, base: Mapping[str, torch.Tensor], name: str, after: int, action: str, seconds: float = 0
-    ) -> None:
-        self.base, self.name, self.after, self.action, self.seconds = base, name, after, action, seconds
-        self.count = 0
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key == self.name:
-            self.count += 1
-            if self.count > self.after:
-                if self.action == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if self.action == "sleep":
-                    time.sleep(self.seconds)
-                if self.action == "raise":
-                    raise RuntimeError(f"injected failure reading {key!r}")
-        return self.base[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.base)
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-
 # -- scenarios ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
@@ -352,18 +322,6 @@ def make_groups(case: Case, rank: int) -> list[PeerGroup] | None:
     return out or None
 
 
-def outcome(fn: Any) -> dict[str, Any]:
-    try:
-        return {"ok": True, "value": fn()}
-    except Exception as exc:
-        return {
-            "ok": False,
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "parameter": getattr(exc, "parameter", None),
-        }
-
-
 def run_case(
     case: Case, groups: list[PeerGroup], rank: int, steps: Sequence[tuple[str, int, str]]
 ) -> dict[str, Any]:
@@ -382,7 +340,7 @@ def run_case(
             if fault.startswith(f"train{rank}:"):
                 action = fault.split(":")[1]
                 name = "embed" if "embed" in state else next(iter(state))
-                state = SlowMapping(state, name, 1, action, seconds=4.0)
+                state = w.FlakyMapping(state, name, 1, action, seconds=4.0)
             deadline = 8.0 if fault else DEADLINE
             extras: dict[str, Any] = {"kv_scales": {"k": 0.5}}
             if fault == f"train{rank}:extras":

@@ -1,21 +1,7 @@
-"""Packaging facts every rlfleet package must keep."""
+"""Packaging facts every rlfleet package must keep (the check is shared: `testkit.check_packaging`)."""
 
-import importlib
-from pathlib import Path
-
-import rlfleet.weightsync
-
-REPO = Path(__file__).resolve().parents[2]
+from testkit import check_packaging
 
 
-def test_version_is_exposed() -> None:
-    assert (
-        rlfleet.weightsync.__version__ == importlib.import_module("rlfleet.weightsync.__about__").__version__
-    )
-
-
-def test_rlfleet_is_an_implicit_namespace_in_every_package() -> None:
-    for pkg in ("routing", "placement", "weightsync", "policygroup"):
-        src = REPO / "packages" / pkg / "src"
-        assert (src / "rlfleet" / pkg / "py.typed").is_file()
-        assert not (src / "rlfleet" / "__init__.py").exists(), f"{src}/rlfleet/__init__.py must not exist"
+def test_packaging_facts() -> None:
+    check_packaging("weightsync")

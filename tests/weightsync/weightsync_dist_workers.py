@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from testkit import free_port
+from testkit import free_port, outcome  # outcome: the scenarios here and their users (w.outcome)
 
 from rlfleet.weightsync import Layout, RecordingConsumer, checksum
 
@@ -46,13 +46,14 @@ def layout_of(sd: Mapping[str, torch.Tensor], bucket: int = BUCKET) -> Layout:
 
 
 class FlakyMapping(Mapping[str, torch.Tensor]):
-    """A state dict whose `name` fails (or kills the process) from its `after`-th access on."""
+    """A state dict whose `name`, from its `after`-th access on, kills the process ("kill"),
+    stalls for `seconds` ("sleep": a producer slower than the sync's deadline) or fails ("raise");
+    any other action reads normally."""
 
-    def __init__(self, base: Mapping[str, torch.Tensor], name: str, after: int, action: str) -> None:
-        self.base = base
-        self.name = name
-        self.after = after
-        self.action = action
+    def __init__(
+        self, base: Mapping[str, torch.Tensor], name: str, after: int, action: str, seconds: float = 0.0
+    ) -> None:
+        self.base, self.name, self.after, self.action, self.seconds = base, name, after, action, seconds
         self.count = 0
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -61,7 +62,10 @@ class FlakyMapping(Mapping[str, torch.Tensor]):
             if self.count > self.after:
                 if self.action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
-                raise RuntimeError(f"injected failure producing {key!r}")
+                if self.action == "sleep":
+                    time.sleep(self.seconds)
+                if self.action == "raise":
+                    raise RuntimeError(f"injected failure producing {key!r}")
         return self.base[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -199,21 +203,6 @@ def init(rank: int, world: int, port: int, timeout: float = 30.0) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
     )
-
-
-def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run one step; report its error type, message and parameter (JSON-safe) or its value."""
-    try:
-        value = fn()
-        return {"ok": True, "value": value}
-    except Exception as exc:
-        return {
-            "ok": False,
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "parameter": getattr(exc, "parameter", None),
-            "missing": getattr(exc, "missing", None),
-        }
 
 
 # -- scenarios ---------------------------------------------------------------------------------

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import torch
+from pg_policies import Tiny
 
-from rlfleet.policygroup import BasePolicy, PolicyConfig, PolicyGroup, WeightBufferConfig
-
-
-class _Tiny(BasePolicy):
-    def build_model(self) -> torch.nn.Module:
-        return torch.nn.Linear(4, 3)
+from rlfleet.policygroup import PolicyConfig, PolicyGroup, WeightBufferConfig
 
 
 def test_router_map_is_the_executed_plans() -> None:
     config = PolicyConfig(weight_buffer=WeightBufferConfig(buffer_strategy="Double", bucket_bytes=4096))
-    group = PolicyGroup([_Tiny(config, "train")], [_Tiny(config, "eval", index=i) for i in range(2)], config)
+    group = PolicyGroup([Tiny(config, "train")], [Tiny(config, "eval", index=i) for i in range(2)], config)
     try:
         assert group.router_map == {}  # no plan before the placement is known
         group.init_placement_info()

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import refit_engine_procs as procs
+from pg_policies import Tiny
 
-from rlfleet.policygroup import BasePolicy, CommGroupError, PolicyConfig, RolloutEngines
+from rlfleet.policygroup import CommGroupError, PolicyConfig, RolloutEngines
 
 Results = dict[tuple[str, tuple[int, int]], dict[str, Any]]
 TRAINERS = [("trainer", (0, 0)), ("trainer", (1, 0))]
@@ -94,15 +95,8 @@ def test_a_recovered_engine_is_connected_anew_and_receives(results: Results) -> 
             assert (results[key]["v3_again"], results[key]["exact"]) == (3, True), key
 
 
-class _Tiny(BasePolicy):
-    def build_model(self) -> Any:
-        import torch
-
-        return torch.nn.Linear(2, 2)
-
-
 def test_connect_needs_init_collective_first() -> None:
-    policy = _Tiny(PolicyConfig(), role="train", device="cpu")
+    policy = Tiny(PolicyConfig(), role="train", device="cpu")
     with pytest.raises(CommGroupError, match="init_collective"):
         policy.connect_sglang_rollout_engines(engine_gpu_counts=[1])
     with pytest.raises(CommGroupError, match="connect_sglang_rollout_engines"):

@@ -4,7 +4,6 @@ actor is killed and the refit ends by the lost peer."""
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -13,17 +12,14 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+import pg_policies  # noqa: E402
+from pg_policies import Tiny  # noqa: E402
 from testkit import free_port  # noqa: E402
 
-from rlfleet.policygroup import BasePolicy, PolicyConfig  # noqa: E402
+from rlfleet.policygroup import PolicyConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors need not import tests/
-
-
-class Tiny(BasePolicy):
-    def build_model(self) -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+ray.cloudpickle.register_pickle_by_value(pg_policies)  # the actors need not import tests/
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 import pytest
-import torch
+from pg_policies import Tiny
 
 from rlfleet.policygroup import BasePolicy, PolicyConfig
 
@@ -84,11 +84,6 @@ def ours_signature(name: str) -> inspect.Signature:
     signature = inspect.signature(getattr(BasePolicy, name))
     params = [p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"]
     return signature.replace(parameters=params)
-
-
-class Tiny(BasePolicy):
-    def build_model(self) -> torch.nn.Module:
-        return torch.nn.Linear(2, 2)
 
 
 def test_the_seed_lists_23_calls() -> None:

@@ -19,18 +19,14 @@ from typing import Any
 
 import pytest
 import torch
+from pg_policies import Tiny
 
-from rlfleet.policygroup import BasePolicy, PolicyConfig, RefitChannelError
+from rlfleet.policygroup import PolicyConfig, RefitChannelError
 from rlfleet.policygroup.nemo import RefitChannel
 from rlfleet.weightsync import SyncTimeoutError
 
 pytest.importorskip("zmq")
 PEER = Path(__file__).resolve().parents[1] / "zmq_peer.py"
-
-
-class Tiny(BasePolicy):
-    def build_model(self) -> torch.nn.Module:
-        return torch.nn.Linear(4, 2)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 
 import pg_policies  # noqa: E402
 from pg_policies import OBS_DIM, FaultyMLPPolicy, MLPPolicy  # noqa: E402
-from testkit import eval_state  # noqa: E402
+from testkit import eval_state, ready_group, spawn_actors  # noqa: E402
 
 from rlfleet.policygroup import (  # noqa: E402
     PolicyConfig,
@@ -49,9 +49,7 @@ def config(strategy: str = "Double", cuda_ipc: str = "host") -> PolicyConfig:
 
 
 def spawn(name: str, node: str, cls: type = MLPPolicy) -> Any:
-    role = "train" if name.startswith("train") else "eval"
-    remote = ray.remote(cls).options(num_cpus=0, max_concurrency=16, resources={node: 1})
-    return remote.remote(config=config(), role=role, index=int(name[-1]))
+    return spawn_actors(cls, config(), {name: node})[name]
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +59,6 @@ def actors(cluster: Any) -> Iterator[dict[str, Any]]:
     yield out
     for a in out.values():
         ray.kill(a)
-
-
-def make_group(train: list[Any], evals: list[Any], cfg: PolicyConfig) -> PolicyGroup:
-    group = PolicyGroup(train, evals, cfg)
-    group.init(TrainConfig(lr=1e-2))
-    group.init_placement_info()
-    group.init_weight_buffer()
-    group.init_comm_group("gloo")
-    group.sync_weights()  # the rollout workers start from the trainer's weights
-    return group
 
 
 def ipc_steps(group: PolicyGroup) -> list[Any]:
@@ -85,7 +73,7 @@ def trainer_sum(group: PolicyGroup) -> str:
 
 @pytest.mark.parametrize("strategy", ["Double", "None"])
 def test_same_node_rollout_workers_receive_by_ipc_bit_exact(actors: dict[str, Any], strategy: str) -> None:
-    group = make_group([actors["train0"]], [actors["eval0"], actors["eval1"]], config(strategy))
+    group = ready_group([actors["train0"]], [actors["eval0"], actors["eval1"]], config(strategy))
     try:
         [step] = ipc_steps(group)
         plan = group.sync_plan
@@ -122,7 +110,7 @@ def test_shared_and_cpu_workers_keep_the_node_buffer(actors: dict[str, Any]) -> 
     with pytest.raises(ValueError, match=r"weight_buffer\.cuda_ipc 'gpu' is unknown; valid: auto, off, host"):
         WeightBufferConfig(cuda_ipc="gpu")
     for strategy, mode in (("Shared", "auto"), ("Double", "auto"), ("Double", "off")):
-        group = make_group([actors["train0"]], [actors["eval0"], actors["eval1"]], config(strategy, mode))
+        group = ready_group([actors["train0"]], [actors["eval0"], actors["eval1"]], config(strategy, mode))
         try:
             plan = group.sync_plan
             assert plan is not None
@@ -155,7 +143,7 @@ def test_reader_killed_mid_step_keeps_the_previous_version_then_replans(cluster:
     reader (a new channel for the survivor) and lands bit-exact."""
     train, keep = spawn("train0", "node0"), spawn("eval0", "node0")
     victim = spawn("eval1", "node0", FaultyMLPPolicy)
-    group = make_group([train], [keep, victim], config(strategy))
+    group = ready_group([train], [keep, victim], config(strategy))
     try:
         group.train(None, seed=11)
         before, version = eval_state(group)[0], group.weight_version
@@ -184,7 +172,7 @@ def test_writer_killed_mid_step_readers_keep_the_previous_version(cluster: Any) 
     the readers abort (two-phase commit) and keep the previous version."""
     train = spawn("train0", "node0", FaultyMLPPolicy)
     first, second = spawn("eval0", "node0", FaultyMLPPolicy), spawn("eval1", "node0")
-    group = make_group([train], [first, second], config("Double"))
+    group = ready_group([train], [first, second], config("Double"))
     try:
         group.train(None, seed=12)
         before, version = eval_state(group), group.weight_version

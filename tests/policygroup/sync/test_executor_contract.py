@@ -9,10 +9,10 @@ import time
 import typing
 
 import pytest
-import torch
+from pg_policies import Tiny
 
 from rlfleet.placement import CALL_KINDS, CallResult, GroupPart, PlannedCall, SyncPlan, schedule_calls
-from rlfleet.policygroup import BasePolicy, PolicyConfig, PolicyGroup, WeightBufferConfig
+from rlfleet.policygroup import PolicyConfig, PolicyGroup, WeightBufferConfig
 from rlfleet.policygroup.sync._run import step_args
 from rlfleet.policygroup.worker import STEP_CALLS, WeightCalls
 
@@ -55,16 +55,11 @@ def test_each_method_takes_what_the_executor_passes_and_returns_a_call_result(ki
     assert typing.get_type_hints(method)["return"] is CallResult
 
 
-class _Tiny(BasePolicy):
-    def build_model(self) -> torch.nn.Module:
-        return torch.nn.Linear(4, 3)
-
-
 def test_a_real_sync_returns_call_results_the_report_reads() -> None:
     """Local workers, node buffer and broadcast-free: every call's value is a `CallResult` and
     each step of the plan is measured."""
     config = PolicyConfig(weight_buffer=WeightBufferConfig(buffer_strategy="Shared", bucket_bytes=4096))
-    trainer, rollouts = _Tiny(config, "train"), [_Tiny(config, "eval", index=i) for i in range(2)]
+    trainer, rollouts = Tiny(config, "train"), [Tiny(config, "eval", index=i) for i in range(2)]
     group = PolicyGroup([trainer], rollouts, config)
     try:
         group.init_placement_info()
@@ -85,7 +80,7 @@ def test_the_report_covers_the_whole_sync_its_caller_waits_for() -> None:
     """``sync_weights()`` reports the whole sync (checks, steps, answers, the rolling apply), not
     only the plan's steps, and predicts all of it."""
     config = PolicyConfig(weight_buffer=WeightBufferConfig(buffer_strategy="Double", bucket_bytes=4096))
-    group = PolicyGroup([_Tiny(config, "train")], [_Tiny(config, "eval", index=i) for i in range(2)], config)
+    group = PolicyGroup([Tiny(config, "train")], [Tiny(config, "eval", index=i) for i in range(2)], config)
     try:
         group.init_placement_info()
         group.init_weight_buffer()
