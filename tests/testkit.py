@@ -1,5 +1,5 @@
-"""Helpers every suite may share: packaging checks, worker outcomes, a free port, a multi-node
-Ray cluster and the policy groups built on it.
+"""Helpers every suite may share: packaging checks, a free port, deadline-bounded polling, a
+multi-node Ray cluster and the policy groups built on it.
 
 Importing this module imports neither ray nor torch nor any rlfleet package (the routing,
 placement and weightsync suites run in environments without some of them); each helper imports
@@ -12,10 +12,12 @@ import contextlib
 import importlib
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("routing", "placement", "weightsync", "policygroup")
 CURRENT_CLUSTER = "/tmp/ray/ray_current_cluster"  # Ray's pointer to the last cluster it started
@@ -55,6 +57,19 @@ def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
             "parameter": getattr(exc, "parameter", None),
             "missing": getattr(exc, "missing", None),
         }
+
+
+def wait_until(condition: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.01) -> T:
+    """Poll `condition` until it returns something true (returned) or `timeout_s` passes
+    (AssertionError naming `what`)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= end:
+            raise AssertionError(f"{what}: not within {timeout_s}s")
+        time.sleep(interval_s)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

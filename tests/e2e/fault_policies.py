@@ -139,7 +139,7 @@ class FaultPolicy(BasePolicy):
         action, arg = fault
         if action == "die":
             os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(60)
+            time.sleep(60)  # the SIGKILL lands meanwhile: nothing after the fault point runs
         elif action == "kill":
             os.kill(int(arg), signal.SIGKILL)
         elif action == "hang":  # then fail: a late call must not touch what came after it

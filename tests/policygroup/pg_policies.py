@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from rlfleet.policygroup import BasePolicy
@@ -63,11 +64,18 @@ class MLPPolicy(BasePolicy):
 
     # test hooks
     def sleep(self, seconds: float) -> float:
-        time.sleep(seconds)
+        time.sleep(seconds)  # a busy task (the TaskSubmitter tests)
         return seconds
 
     def die(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def collective_sum(self, value: float) -> tuple[int, int, float]:
+        """(rank, world size, sum of every member's `value`) over the `init_collective` group."""
+        group = self.model_update_group
+        total = torch.tensor([float(value)])
+        dist.all_reduce(total, group=group)
+        return group.rank(), group.size(), float(total)
 
     def segment_exists(self, name: str) -> bool:
         return os.path.exists(os.path.join("/dev/shm", name))
@@ -95,7 +103,7 @@ class FaultyMLPPolicy(MLPPolicy):
                 original(k, data)
                 os.kill(victim, signal.SIGKILL)
                 if victim == os.getpid():
-                    time.sleep(60)
+                    time.sleep(60)  # the SIGKILL lands meanwhile: nothing after this bucket runs
 
             consumer.consume = consume  # type: ignore[method-assign]
             try:

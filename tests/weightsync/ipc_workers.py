@@ -45,7 +45,7 @@ class _SlowFirstBucket(RecordingConsumer):
 
     def consume(self, index: int, data: torch.Tensor) -> None:
         if self._pending == 2 and index == 0:
-            time.sleep(self.delay)
+            time.sleep(self.delay)  # a slow consumer (simulated work) while the bucket is held
             self.seen = _bucket_sum(self._layout, 0, data)
         super().consume(index, data)
 

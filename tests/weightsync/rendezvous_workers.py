@@ -85,7 +85,7 @@ def scenario_nccl_standin(rank: int, world: int, port: int, version: int, root: 
 
     out: dict[str, Any] = {"first": build(DEADLINE)}
     if rank == 2:
-        time.sleep(1.0)
+        time.sleep(1.0)  # rank 2 joins the rebuild late (after the others read its old check-in)
     out["again"] = build(DEADLINE)
     if rank != 2:
         out["absent"] = _timed(lambda: build(3.0))

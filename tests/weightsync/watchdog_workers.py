@@ -58,7 +58,7 @@ def scenario_broadcast(rank: int, world: int, port: int) -> dict[str, Any]:
 
 
 def _stand_down_at(seconds: float, out: dict[str, Any]) -> None:
-    time.sleep(seconds)
+    time.sleep(seconds)  # the controller's call comes this late into the stall (the scenario's timing)
     out["stood_down_count"] = stand_down_armed_watchdogs()
 
 

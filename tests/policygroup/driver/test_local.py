@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from pg_policies import OBS_DIM, MLPPolicy
+from testkit import wait_until
 
 from rlfleet import routing
 from rlfleet.policygroup import (
@@ -17,6 +18,7 @@ from rlfleet.policygroup import (
     BatchedData,
     PolicyConfig,
     PolicyGroup,
+    PolicyGroupError,
     PolicyRole,
     TrainConfig,
     WeightBufferConfig,
@@ -71,7 +73,7 @@ class _SlowWriter(MLPPolicy):
 
     def publish_shared(self, version: int, timeout_s: float) -> int:
         if self.slow:
-            time.sleep(timeout_s + 0.2)
+            time.sleep(timeout_s + 0.2)  # a write slower than the whole sync may take
         return super().publish_shared(version, timeout_s)
 
 
@@ -89,7 +91,7 @@ def test_one_deadline_bounds_every_step_of_a_sync() -> None:
     try:
         before = [p.get_weight_checksum() for p in group.eval_list]
         group.train(None, seed=2)
-        with pytest.raises(Exception, match="the sync's deadline passed"):
+        with pytest.raises(PolicyGroupError, match="the sync's deadline passed"):
             group.sync_weights()
         assert group.eval_weight_versions() == [0, 0, 0]
         assert [p.get_weight_checksum() for p in group.eval_list] == before
@@ -244,7 +246,7 @@ def test_layout_mismatch_names_the_parameter() -> None:
     cfg = PolicyConfig()
     group = PolicyGroup([MLPPolicy(cfg, role="train")], [Wider(cfg)], cfg)
     group.init_placement_info()
-    with pytest.raises(Exception, match=r"0\.weight"):
+    with pytest.raises(PolicyGroupError, match=r"layout mismatch: parameter '0\.weight'"):
         group.init_weight_buffer()
 
 
@@ -257,7 +259,7 @@ def test_batched_data() -> None:
 
 
 def test_sharded_needs_ray_actors() -> None:
-    with pytest.raises(Exception, match="'Sharded' needs Ray actors"):
+    with pytest.raises(PolicyGroupError, match="'Sharded' needs Ray actors"):
         local_group("Sharded", "ShardedWeightBuffer")
 
 
@@ -300,15 +302,12 @@ def test_a_weight_swap_waits_for_in_flight_rollouts_and_new_ones_wait_for_it() -
         policy.config.drain_timeout_s = 30.0
         swap = threading.Thread(target=policy.recv_weights_ipc, args=(_scaled_state(policy, 2.0), 7))
         swap.start()
-        deadline = time.monotonic() + 10
-        while not policy._serve._waiting_writers and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert policy._serve._waiting_writers == 1
+        wait_until(lambda: policy._serve._waiting_writers == 1, 10, "the swap waits for the model")
         seen: list[object] = []
         late = threading.Thread(target=lambda: seen.append(policy._rollout(torch.zeros(OBS_DIM).tolist())))
         late.start()
-        time.sleep(0.2)
-        assert not seen  # held back behind the waiting swap
+        wait_until(lambda: policy.get_num_requests() == 2, 10, "the late rollout asked to be served")
+        assert not seen  # held back behind the waiting swap (which waits for the gated rollout)
         policy.gate.set()
         for t in (slow, swap, late):
             t.join(10)

@@ -23,7 +23,7 @@ from ray.util.placement_group import (  # noqa: E402
     placement_group_table,
     remove_placement_group,
 )
-from testkit import node_ids  # noqa: E402
+from testkit import node_ids, wait_until  # noqa: E402
 
 from rlfleet.placement import Bundle, Placement, WorkerPlacement  # noqa: E402
 from rlfleet.policygroup import (  # noqa: E402
@@ -171,9 +171,11 @@ def test_own_group_keeps_each_bundle_on_its_planned_node(cluster: Any) -> None:
                 ready_timeout_s=5.0,
             )
         assert nodes["node1"][:12] in str(caught.value)
-        time.sleep(1.0)
-        after = {p for p, t in placement_group_table().items() if t["state"] != "REMOVED"}
-        assert after <= before  # the pending group was removed
+
+        def removed() -> bool:  # the pending group the build made is gone (its removal is async)
+            return {p for p, t in placement_group_table().items() if t["state"] != "REMOVED"} <= before
+
+        wait_until(removed, 30, "the pending placement group removed", interval_s=0.1)
     finally:
         ray.kill(blocker)
     group = build_policy_group(MLPPolicy, 1, 1, cfg, scheduling="placement_group", nodes=[nodes["node1"]])

@@ -4,7 +4,6 @@ actor is killed and the refit ends by the lost peer."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 import pg_policies  # noqa: E402
 from pg_policies import Tiny  # noqa: E402
-from testkit import free_port  # noqa: E402
+from testkit import free_port, wait_until  # noqa: E402
 
 from rlfleet.policygroup import PolicyConfig  # noqa: E402
 
@@ -52,8 +51,11 @@ def test_a_controller_stands_down_an_actors_refit_then_the_peer_dies(pair: tuple
     train, gen = pair
     v1 = ray.get(gen.get_weight_checksum.remote(), timeout=60)
     refit = gen.nccl_reshard_refit.remote(refit_timeout_s=5.0)  # the trainer never sends v2
-    time.sleep(1.5)
-    assert ray.get(gen.stand_down_refit_watchdog.remote(), timeout=30) >= 1
+
+    def stood_down() -> bool:  # 0 until the refit has armed its watchdog
+        return bool(ray.get(gen.stand_down_refit_watchdog.remote(), timeout=30) >= 1)
+
+    wait_until(stood_down, 60.0, "the refit's watchdog armed, then stood down", interval_s=0.02)
     ready, _ = ray.wait([refit], timeout=6.0)  # its 5 s deadline passes meanwhile
     assert not ready
     ray.kill(train)

@@ -99,6 +99,12 @@ def test_init_collective_forms_a_group_across_nodes(pair: tuple[Any, Any]) -> No
         evaluator.init_collective.remote("127.0.0.1", port2, 2, train_world_size=1),
     ]
     ray.get(refs, timeout=90)
+    # one group of two: the trainer is rank 0, the rollout worker follows; an all-reduce over it
+    # from both nodes adds both values
+    sums = ray.get([trainer.collective_sum.remote(1.0), evaluator.collective_sum.remote(2.0)], timeout=90)
+    assert sums == [(0, 2, 3.0), (1, 2, 3.0)]
+    nodes = ray.get([trainer._get_node_id.remote(), evaluator._get_node_id.remote()], timeout=30)
+    assert nodes[0] != nodes[1]
 
 
 def test_submitter_bounds_each_actor_without_blocking_others(pair: tuple[Any, Any]) -> None:

@@ -123,7 +123,7 @@ def test_a_rejoin_gets_a_new_generation_and_a_late_rank_is_not_split_off() -> No
         out: dict[int, Any] = {}
 
         def one(rank: int) -> None:
-            time.sleep(delays.get(rank, 0.0))
+            time.sleep(delays.get(rank, 0.0))  # this rank comes late (a slow joiner, simulated)
             out[rank] = join_generation(store, "t", rank, range(3), 30.0, "test", payload=lambda: "p")
 
         threads = [threading.Thread(target=one, args=(r,)) for r in range(3)]

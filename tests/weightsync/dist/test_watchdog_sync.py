@@ -5,12 +5,12 @@ then real gloo in spawned processes."""
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import pytest
 import watchdog_workers as ww
 import weightsync_dist_workers as w
+from testkit import wait_until
 
 from rlfleet.weightsync import (
     Deadline,
@@ -23,8 +23,7 @@ from rlfleet.weightsync import (
 
 def test_a_lifted_deadline_never_expires() -> None:
     deadline = WatchedDeadline(0.01)
-    time.sleep(0.02)
-    assert deadline.expired
+    wait_until(lambda: deadline.expired, 10, "a 10 ms deadline expired")
     assert deadline.remaining() == 0.0
     deadline.lift()
     assert deadline.lifted
@@ -50,8 +49,12 @@ def test_guard_arms_a_watchdog_that_stand_down_lifts() -> None:
 
 def test_a_guard_whose_watchdog_fires_counts_it() -> None:
     watch = SyncWatch("unit")
-    with watch.guard(0.05, "a slow sync") as deadline:
-        time.sleep(0.3)
+    with watch.guard(0.05, "a slow sync") as deadline:  # the sync outlives it: its watchdog fires
+
+        def fired() -> bool:  # a fired watchdog is no longer armed
+            return not any(d.name == "unit: a slow sync" for d in armed_watchdogs())
+
+        wait_until(fired, 10, "the 50 ms watchdog fired")
         assert deadline.expired
     assert (watch.fired, watch.stood_down) == (1, 0)
 

@@ -11,7 +11,7 @@ import torch
 import weightsync_dist_workers as w
 from ipc_channel_workers import expected_sum, make_module, scenario_ipc_channels
 
-from rlfleet.weightsync import IpcChannelReader, IpcChannelWriter, Layout
+from rlfleet.weightsync import IpcChannelReader, IpcChannelWriter, Layout, WeightSyncError
 
 
 def check_run(results: dict[int, Any], readers: int) -> None:
@@ -49,7 +49,7 @@ def test_bad_arguments_are_named() -> None:
         writer.channel(["r0"], layout, "gpu")
     with pytest.raises(ValueError, match="at least one reader"):
         writer.channel([], layout, "host")
-    with pytest.raises(Exception, match="not open on this writer"):
+    with pytest.raises(WeightSyncError, match="not open on this writer"):
         writer.send("nope", make_module("cpu").state_dict(), 1, 1.0)  # type: ignore[arg-type]
     IpcChannelReader().close()  # nothing attached: nothing to do
 
