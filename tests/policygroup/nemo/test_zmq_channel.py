@@ -38,9 +38,11 @@ def policy() -> Iterator[Tiny]:
         channel.close()
 
 
-def peer(address: str, *modes: str) -> subprocess.Popen[str]:
+def peer(address: str, *modes: str, credentials: str | None = None) -> subprocess.Popen[str]:
+    """`zmq_peer.py` answering `modes`; a loopback (tcp://) channel's peer needs its `credentials`."""
     command = [sys.executable, str(PEER), address, *modes]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "REFIT_CREDENTIALS": credentials} if credentials else None
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def finished(proc: subprocess.Popen[str]) -> list[dict[str, Any]]:
@@ -109,7 +111,7 @@ def test_loopback_tcp_channel() -> None:
     channel = RefitChannel("tcp-worker", transport="tcp")
     try:
         assert channel.address.startswith("tcp://127.0.0.1:")
-        proc = peer(channel.address, "hello")
+        proc = peer(channel.address, "hello", credentials=channel.credentials)
         assert channel.request({"type": "hello"}, timeout_s=60)["engine"] == "peer"
         finished(proc)
     finally:
