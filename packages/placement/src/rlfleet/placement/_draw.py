@@ -128,7 +128,8 @@ def figure(width: float, height: float, what: str) -> Any:
         from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            f"{what} needs matplotlib; install the extra: pip install 'rlfleet-placement[draw]'"
+            f"{what} needs matplotlib: pip install matplotlib (the [draw] extra of rlfleet-placement, "
+            "e.g. pip install './packages/placement[draw]' from a clone)"
         ) from exc
     fig: Any = Figure(figsize=(width, height), dpi=110)
     FigureCanvasAgg(fig)  # attaches itself to the figure

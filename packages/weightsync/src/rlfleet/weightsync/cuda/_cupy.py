@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 EXTRAS_HINT = (
-    "install the CUDA extra matching your CUDA toolkit: "
-    "pip install 'rlfleet-weightsync[cuda12]' (CUDA 12.x) or 'rlfleet-weightsync[cuda13]' (CUDA 13.x)"
+    "install the CUDA extra matching your CUDA toolkit, rlfleet-weightsync[cuda12] (CUDA 12.x) or "
+    "rlfleet-weightsync[cuda13] (CUDA 13.x): from a clone, pip install './packages/weightsync[cuda12]' "
+    "(or pip install cupy-cuda12x / cupy-cuda13x)"
 )
 
 
