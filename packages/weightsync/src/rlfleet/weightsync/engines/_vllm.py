@@ -109,6 +109,7 @@ class VllmWeightTransferEngine(WeightTransferEngine[VllmInitInfo, VllmUpdateInfo
     def init_transfer_engine(self, init_info: VllmInitInfo) -> None:
         """Attach the transport and check the layout against the model's own loader."""
         self.shutdown()
+        self.applied = -1  # a new transport, a new trainer: its versions start afresh
         deadline = Deadline(init_info.timeout_s)
         if init_info.transport == "node":
             self._reader = SharedBufferReader.attach(init_info.node_name, timeout_s=init_info.timeout_s)
