@@ -118,6 +118,21 @@ def test_shared_binds_zero_copy_and_release_gives_private_storage(node_buffer: S
         next(modules[0].parameters()).add_(1.0)
 
 
+def test_a_shared_swap_takes_the_newest_committed_version_and_says_so(node_buffer: SharedBuffer) -> None:
+    """Async RL: v2 committed while the worker still had v1 staged: its swap binds v2 at once (it
+    skips ahead, no queue of stale versions) and its version says v2, what it really serves."""
+    module = ew.make_module()
+    endpoint = create_endpoint("Shared", module, LAYOUT, node_buffer=node_buffer.name)
+    try:
+        endpoint.stage_from_node(node_buffer.name, 1, 10.0)
+        node_buffer.publish(ew.state(2), 2)  # the trainer moved on before this worker's swap
+        assert endpoint.apply(1) == 2
+        assert (endpoint.version, endpoint.staged_version) == (2, None)
+        assert equal_to(module, 2)
+    finally:
+        endpoint.release()
+
+
 def test_a_corrupted_node_buffer_is_refused_and_nothing_is_applied(node_buffer: SharedBuffer) -> None:
     module = ew.make_module()
     endpoint = create_endpoint("Shared", module, LAYOUT, node_buffer=node_buffer.name)

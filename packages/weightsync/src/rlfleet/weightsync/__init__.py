@@ -4,7 +4,8 @@ The public names, by family folder, lowest layer first (each folder's face says 
 folder may import a lower one, never the reverse, and import-linter checks it):
 
 - `layout`: `Layout` and its buckets, dtypes, packing, copies, `adopt`, checksums and fingerprints;
-- `protocol`: the `BucketConsumer` every transport drives, wire segments, `WeightStream`, `feed`;
+- `protocol`: the `BucketConsumer` every transport drives, wire segments, `WeightStream`, `feed`,
+  non-blocking sends (`PublishHandle`, `WeightSnapshot`, `SendPipeline`);
 - `dist`: torch.distributed broadcast, member groups, bounded rendezvous, watched deadlines;
 - `buffers`: "None" (`DirectBuffer`), "Double" (`DoubleBuffer`), "Sharded" (`ShardedBuffer`),
   `ServingLock`, `Assembly` / `SharesReceiver` (several senders, one version), offload;
@@ -162,8 +163,11 @@ from rlfleet.weightsync.layout import (
 from rlfleet.weightsync.protocol import (
     BucketConsumer,
     BucketTarget,
+    PublishHandle,
+    SendPipeline,
     SyncStats,
     TensorTarget,
+    WeightSnapshot,
     WeightStream,
     bucket_segments,
     feed,
@@ -249,6 +253,7 @@ __all__ = [
     "PartialLoadError",
     "PeerGroup",
     "PeerLostError",
+    "PublishHandle",
     "RankProgram",
     "RecordingConsumer",
     "RefitChannelError",
@@ -258,6 +263,7 @@ __all__ = [
     "ReshardSender",
     "ReshardStats",
     "Roster",
+    "SendPipeline",
     "ServingLock",
     "ShardedBuffer",
     "ShardedEndpoint",
@@ -290,6 +296,7 @@ __all__ = [
     "WatchedWire",
     "WeightBufferStrategy",
     "WeightEndpoint",
+    "WeightSnapshot",
     "WeightStream",
     "WeightSyncError",
     "WeightTransform",

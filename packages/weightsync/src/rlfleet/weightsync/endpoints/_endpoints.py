@@ -210,8 +210,8 @@ class _Endpoint:
         deadline = Deadline.coerce(deadline if deadline is not None else self.commit_timeout_s)
         try:
             with self.serving_lock.exclusive(deadline):
-                self._make_live(staged, deadline, group)
-                self._version, self._staged = staged, None
+                live = self._make_live(staged, deadline, group)  # "Shared" may bind a newer one
+                self._version, self._staged = staged if live is None else max(staged, live), None
         finally:
             self._applied.set()  # wakes waiters on success and on failure
         return self._version
@@ -237,7 +237,8 @@ class _Endpoint:
     def _receive(self, transport: TransportReceiver, version: int, deadline: Deadline) -> Any:
         raise NotImplementedError
 
-    def _make_live(self, version: int, deadline: Deadline, group: Any) -> None:
+    def _make_live(self, version: int, deadline: Deadline, group: Any) -> int | None:
+        """Make `version` live; the version bound when it is newer (None: `version`)."""
         raise NotImplementedError
 
     def _release(self) -> None:
@@ -257,8 +258,9 @@ class _BufferedEndpoint(_Endpoint):
         reader.copy_version(version, DeferredCommit(self._buffer), deadline)
         self._staged = version
 
-    def _make_live(self, version: int, deadline: Deadline, group: Any) -> None:
+    def _make_live(self, version: int, deadline: Deadline, group: Any) -> int | None:
         commit_consumer(self._buffer, version, deadline)
+        return None
 
     def _release(self) -> None:
         self._buffer.abort(WeightSyncError("weight buffer released"))
@@ -356,9 +358,11 @@ class SharedEndpoint(_Endpoint):
         self._staged = _version_of(result)
         return result
 
-    def _make_live(self, version: int, deadline: Deadline, group: Any) -> None:
+    def _make_live(self, version: int, deadline: Deadline, group: Any) -> int | None:
+        """Bind the newest committed slot: a version the writer committed since `version` was
+        staged is taken at once (the worker skips ahead; no queue of stale versions)."""
         assert self._node is not None
-        self._node.refresh(deadline)
+        return self._node.refresh(deadline)
 
     def _release(self) -> None:
         if self._node is not None:
@@ -393,7 +397,7 @@ class ShardedEndpoint(_Endpoint):
         self._staged = _version_of(result)
         return result
 
-    def _make_live(self, version: int, deadline: Deadline, group: Any) -> None:
+    def _make_live(self, version: int, deadline: Deadline, group: Any) -> int | None:
         if group is None:
             raise ValueError("a Sharded apply needs the group of the node's endpoints (group=...)")
         shares = self._shares
@@ -404,6 +408,7 @@ class ShardedEndpoint(_Endpoint):
             for name, view in views.items():
                 live[name].data = view
         self._gathered = block
+        return None
 
     def _release(self) -> None:
         if self._gathered is not None:

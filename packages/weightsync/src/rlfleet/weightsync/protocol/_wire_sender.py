@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from typing import Literal, overload
 
 import torch
 
@@ -31,6 +32,7 @@ from rlfleet.weightsync.layout._block import flat_block
 from rlfleet.weightsync.layout._copy import copy_pairs
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.layout._packing import bucket_starts
+from rlfleet.weightsync.protocol._background import BackgroundSends, PublishHandle
 from rlfleet.weightsync.protocol._core import (
     Pending,
     Status,
@@ -66,6 +68,8 @@ BUCKETS_IN_FLIGHT = 1
 
 class ProtocolSender(BroadcastSession):
     """Sending end of the broadcast protocol over any `Wire`."""
+
+    _background: BackgroundSends[SyncStats] | None = None  # its non-blocking sends, at first use
 
     def __init__(
         self,
@@ -112,6 +116,26 @@ class ProtocolSender(BroadcastSession):
             self._layout_json = self.layout.to_json()
         return self._layout_json
 
+    @overload
+    def send(
+        self,
+        weights: Weights,
+        version: int,
+        deadline: Deadline | float | None = ...,
+        *,
+        buckets: Sequence[int] | None = ...,
+        wait: Literal[True] = ...,
+    ) -> SyncStats: ...
+    @overload
+    def send(
+        self,
+        weights: Weights,
+        version: int,
+        deadline: Deadline | float | None = ...,
+        *,
+        buckets: Sequence[int] | None = ...,
+        wait: Literal[False],
+    ) -> PublishHandle[SyncStats]: ...
     def send(
         self,
         weights: Weights,
@@ -119,7 +143,8 @@ class ProtocolSender(BroadcastSession):
         deadline: Deadline | float | None = DEFAULT_SYNC_TIMEOUT_S,
         *,
         buckets: Sequence[int] | None = None,
-    ) -> SyncStats:
+        wait: bool = True,
+    ) -> SyncStats | PublishHandle[SyncStats]:
         """Broadcast `weights` as `version`; returns only once every receiver committed it.
 
         `weights` is a state dict or a `WeightStream` (any iterable of ``(name, tensor)`` pairs
@@ -127,8 +152,33 @@ class ProtocolSender(BroadcastSession):
         after a failure (`_stream`). `buckets` sends only those bucket indices (a share of
         several senders; None: all). `version` is checked first (an int in [0, 2**63)): a bad
         one is refused before anything is sent, and the group stays usable.
+
+        ``wait=False``: returns a `PublishHandle` once a private snapshot of `weights` is under
+        way (``snapshot_done()``: the fence before changing them; ``result()``: the `SyncStats`);
+        the broadcast runs in the background, newest snapshot first (`_background`).
         """
         deadline = Deadline.coerce(deadline)
+        later = self._later()
+        if not wait:
+            try:
+                check_version(version)
+            except VersionError:  # refused before anything starts; a stream is drained
+                with drain_on_error(open_source(weights, self.layout, buckets), deadline):
+                    raise
+            return later.start(
+                weights, version, deadline, lambda s: self._send_now(s, version, deadline, buckets), buckets
+            )
+        later.settle(deadline)
+        return self._send_now(weights, version, deadline, buckets)
+
+    def _later(self) -> BackgroundSends[SyncStats]:
+        if self._background is None:
+            self._background = BackgroundSends(self.layout, f"broadcast sender (rank {self.wire.rank})")
+        return self._background
+
+    def _send_now(
+        self, weights: Weights, version: int, deadline: Deadline, buckets: Sequence[int] | None
+    ) -> SyncStats:
         share = check_share(buckets, len(self.layout.buckets))
         source = open_source(weights, self.layout, share)
         with drain_on_error(source, deadline):
