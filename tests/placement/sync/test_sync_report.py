@@ -104,3 +104,20 @@ def test_the_predicted_whole_sync_covers_checks_steps_answers_and_the_rolling_ap
     swaps = {"None": 0, "Double": 4, "Shared": 4, "Sharded": 2}[strategy]  # Sharded: a node at a time
     copy = 1.0 if strategy in ("Double", "Sharded") else 0.0
     assert whole["apply"] == pytest.approx(swaps * (0.01 + copy))
+
+
+def test_async_fields_say_the_serving_stall_and_the_versions_skipped() -> None:
+    report = dataclasses.replace(executed(2, "abc"), serving_stall_seconds=0.0021, skipped_versions=(2, 1))
+    assert report.skipped_versions == (1, 2)
+    assert report.summary().endswith("; serving stall 2.1 ms; skipped v1, v2")
+    assert SyncReport.from_dict(json.loads(report.to_json())) == report
+    older = {
+        k: v
+        for k, v in executed(1, "x").to_dict().items()
+        if k not in ("serving_stall_seconds", "skipped_versions")
+    }
+    assert SyncReport.from_dict(older) == executed(1, "x")  # a report written before these fields
+    with pytest.raises(SyncPlanError, match=r"skipped_versions must be ints older than version 3, got \[3\]"):
+        dataclasses.replace(report, skipped_versions=(3,))
+    with pytest.raises(SyncPlanError, match="serving_stall_seconds must be a non-negative"):
+        dataclasses.replace(report, serving_stall_seconds=-1.0)

@@ -8,6 +8,11 @@ changed, after them it collects the answers and applies the version (a rolling u
 swaps and undrains each rollout worker). ``wall_seconds`` is the whole sync as its caller saw it,
 ``wall_phases`` splits it into ``prepare``, ``steps``, ``collect`` and ``apply`` (they add up to
 it), and ``predicted_wall_seconds`` is the prediction of all of it (`predict_sync_wall`).
+
+Async RL reads two more: ``serving_stall_seconds``, the longest interval in which a rollout
+worker admitted no request because of this sync (its swap, or its whole transfer when it
+applies in place), and ``skipped_versions``, the versions committed by the trainers that this
+sync superseded before they were sent (no rollout worker received them).
 """
 
 from __future__ import annotations
@@ -102,9 +107,12 @@ class SyncReport:
     wall_seconds: float | None = None
     wall_phases: Mapping[str, float] = field(default_factory=dict)
     predicted_wall_seconds: float | None = None
+    serving_stall_seconds: float | None = None
+    skipped_versions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", tuple(self.steps))
+        self._check_async()
         if isinstance(self.version, bool) or not isinstance(self.version, int):
             raise SyncPlanError(f"sync report version must be an int, got {self.version!r}")
         _seconds(self.measured_seconds, "sync report measured_seconds")
@@ -125,6 +133,17 @@ class SyncReport:
                     f"sync report: wall phases add up to {sum(phases.values()):.6f} s, not the "
                     f"wall time {wall:.6f} s"
                 )
+
+    def _check_async(self) -> None:
+        if self.serving_stall_seconds is not None:
+            _seconds(self.serving_stall_seconds, "sync report serving_stall_seconds")
+        skipped = tuple(self.skipped_versions)
+        bad = [v for v in skipped if isinstance(v, bool) or not isinstance(v, int) or v >= self.version]
+        if bad:
+            raise SyncPlanError(
+                f"sync report skipped_versions must be ints older than version {self.version}, got {bad}"
+            )
+        object.__setattr__(self, "skipped_versions", tuple(sorted(skipped)))
 
     def with_wall(
         self, phases: Mapping[str, float], predicted_wall_seconds: float | None = None
@@ -165,6 +184,10 @@ class SyncReport:
             predicted = self.predicted_wall_seconds
             tail = "" if predicted is None else f" / {predicted:.3g} s predicted"
             line += f"; whole sync {self.wall_seconds:.3g} s{tail}"
+        if self.serving_stall_seconds is not None:
+            line += f"; serving stall {self.serving_stall_seconds * 1e3:.3g} ms"
+        if self.skipped_versions:
+            line += f"; skipped {', '.join(f'v{v}' for v in self.skipped_versions)}"
         return line
 
     def matches(self, plan: SyncPlan) -> bool:
@@ -185,6 +208,8 @@ class SyncReport:
             "wall_seconds": self.wall_seconds,
             "wall_phases": dict(self.wall_phases),
             "predicted_wall_seconds": self.predicted_wall_seconds,
+            "serving_stall_seconds": self.serving_stall_seconds,
+            "skipped_versions": list(self.skipped_versions),
         }
 
     def to_json(self) -> str:
@@ -204,6 +229,8 @@ class SyncReport:
                 None if data.get("wall_seconds") is None else float(data["wall_seconds"]),
                 dict(data.get("wall_phases") or {}),
                 None if data.get("predicted_wall_seconds") is None else float(data["predicted_wall_seconds"]),
+                None if data.get("serving_stall_seconds") is None else float(data["serving_stall_seconds"]),
+                tuple(int(v) for v in data.get("skipped_versions") or ()),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, SyncPlanError):
