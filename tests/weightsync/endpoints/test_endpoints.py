@@ -133,6 +133,28 @@ def test_a_shared_swap_takes_the_newest_committed_version_and_says_so(node_buffe
         endpoint.release()
 
 
+@pytest.mark.parametrize("strategy", ["None", "Double", "Shared"])
+def test_a_worker_asked_for_a_version_the_writer_replaced_takes_the_newest(strategy: str) -> None:
+    """v1 was overwritten (v2 and v3 committed) before this worker took it: it stages v3 (skips
+    ahead, never a queue of stale versions), and an apply of v1 makes v3 live; a version not
+    committed yet is waited for, within the deadline."""
+    writer = SharedBuffer(LAYOUT, 1, timeout_s=10.0)
+    module = ew.make_module()
+    endpoint = create_endpoint(strategy, module, LAYOUT, node_buffer=writer.name)
+    try:
+        for version in (1, 2, 3):
+            writer.publish(ew.state(version), version)
+        assert endpoint.stage_from_node(writer.name, 1, 10.0) == 3
+        assert endpoint.apply(1) == 3
+        assert endpoint.version == 3
+        assert equal_to(module, 3)
+        with pytest.raises(SyncTimeoutError):  # nothing newer than v3 to take: v4 is waited for
+            endpoint.stage_from_node(writer.name, 4, 0.05)
+    finally:
+        endpoint.release()
+        writer.close()
+
+
 def test_a_corrupted_node_buffer_is_refused_and_nothing_is_applied(node_buffer: SharedBuffer) -> None:
     module = ew.make_module()
     endpoint = create_endpoint("Shared", module, LAYOUT, node_buffer=node_buffer.name)

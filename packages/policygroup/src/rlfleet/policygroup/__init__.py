@@ -36,7 +36,7 @@ from rlfleet.policygroup.driver import (
 from rlfleet.policygroup.nemo import RolloutEngines
 from rlfleet.policygroup.sync import SyncOutcome
 from rlfleet.policygroup.worker import ParallelMode, WorkerHost
-from rlfleet.weightsync import CommGroupError, RefitChannelError
+from rlfleet.weightsync import CommGroupError, PublishHandle, RefitChannelError
 
 __all__ = [
     "BUFFER_STRATEGIES",
@@ -52,6 +52,7 @@ __all__ = [
     "PolicyGroup",
     "PolicyGroupError",
     "PolicyRole",
+    "PublishHandle",
     "RefitChannelError",
     "RolloutEngines",
     "SyncOutcome",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.placement import CostModel, check_sync_options
-from rlfleet.routing import ROLLOUT_MODES, ROUTER_TYPES
+from rlfleet.routing import PREFIX_CACHE_ON_NEW_VERSION, ROLLOUT_MODES, ROUTER_TYPES
 from rlfleet.weightsync import WEIGHT_BUFFER_STRATEGIES, check_strategy
 
 __all__ = [
@@ -94,6 +94,13 @@ class PolicyConfig:
     creating a communication group. ``topology``: overrides for `Topology.from_ray_nodes`
     (NIC and host rates, ...); ``cost_model``: the `CostModel` sync plans are priced with
     (e.g. from `PolicyGroup.calibrate()`; default: placement's documented defaults).
+
+    Async RL: ``max_staleness`` (versions; None = unbounded) is the router's bound: no request
+    goes to a rollout worker more than that many versions behind the version the group last
+    committed (announced to the router when a sync commits), so every sample comes from weights
+    at most that stale. ``on_new_version`` ("forget" or "keep"; router_type "prefix_aware"
+    only): whether the router still counts a worker's cached prefixes once it serves a new
+    version (``BasePolicy.on_weight_version`` is where the worker clears its engine's cache).
     """
 
     rollout_mode: str = "sync"
@@ -114,6 +121,8 @@ class PolicyConfig:
     component_distribution: dict[Any, Any] | None = None
     topology: dict[str, Any] | None = None
     cost_model: CostModel | None = None
+    max_staleness: int | None = None
+    on_new_version: str = "forget"
 
     def __post_init__(self) -> None:
         if isinstance(self.weight_buffer, dict):
@@ -147,6 +156,20 @@ class PolicyConfig:
             )
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model must be a rlfleet.placement CostModel, got {self.cost_model!r}")
+        self._validate_async()
+
+    def _validate_async(self) -> None:
+        bound = self.max_staleness
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise ValueError(
+                f"max_staleness must be None (unbounded) or an int >= 0 (versions), got {bound!r}"
+            )
+        _choice(self.on_new_version, PREFIX_CACHE_ON_NEW_VERSION, "on_new_version")
+        if self.on_new_version != "forget" and self.router_type != "prefix_aware":
+            raise ValueError(
+                f"on_new_version {self.on_new_version!r} applies to router_type 'prefix_aware' (the only "
+                f"router that tracks cached prefixes), not {self.router_type!r}"
+            )
 
 
 @dataclass

@@ -95,6 +95,8 @@ class BasePolicy(WorkerCalls):
         self.dataset: Any = None
         self._count_lock = threading.Lock()
         self._num_requests = 0
+        self._hook_lock = threading.Lock()
+        self._hooked_version = 0  # the last version `on_weight_version` ran for
         # Ray restarted this actor after a crash (max_restarts): calls queued for the dead process
         # arrive here, where the group's weights are gone, until the group connects us again
         self._init_parts(restarted=ray_node.was_restarted())
@@ -122,9 +124,15 @@ class BasePolicy(WorkerCalls):
         ``train_step(args[0], *args[1:], **kwargs)``, or, called without positional arguments,
         ``train_step(dataset, **kwargs)`` where `dataset` is this trainer's shard from
         ``group.update_dataset(shards)`` (one per trainer, in ``train_list`` order). The group
-        returns the first trainer's metrics.
+        returns the first trainer's metrics. A step that changes the weights without the
+        optimizer (``self.optimizer``, fenced for you) calls `wait_for_weight_snapshot` first.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement train_step(batch)")
+
+    def on_weight_version(self, version: int) -> None:
+        """Called on a rollout worker once `version` is live, before any request computes with
+        it: clear what the old weights left behind (an engine's KV / prefix cache). Default:
+        nothing. It runs outside the swap; a request never sees the new version before it."""
 
     def postprocess_step(self, *args: Any) -> Any:
         """Post-process (env return, policy response); the default returns the last argument."""
@@ -191,6 +199,7 @@ class BasePolicy(WorkerCalls):
             self._num_requests += 1
         try:
             with self._serve.shared(self.config.sync_timeout_s + self.config.drain_timeout_s):
+                self._version_live()
                 yield
         finally:
             with self._count_lock:
@@ -199,6 +208,30 @@ class BasePolicy(WorkerCalls):
     def _rollout(self, env_ret: Any) -> Any:
         with self._timings.measure("rollout"), self._serving(), torch.no_grad():
             return self.rollout_step(env_ret)
+
+    def _version_live(self) -> None:
+        """Run `on_weight_version` once per new version: right after its apply, and at the latest
+        before the first request that computes with it."""
+        version = self._weights.version
+        if version == self._hooked_version:
+            return
+        with self._hook_lock:
+            if version != self._hooked_version and self.role == PolicyRole.EVAL:
+                self.on_weight_version(version)
+            self._hooked_version = version
+
+    def _rollout_versioned(self, env_rets: Sequence[Any]) -> tuple[Any, ...]:
+        """Several requests in one call, then the weight version that served all of them (the
+        serving lock is held throughout: no swap in between)."""
+        with self._timings.measure("rollout_many"), self._serving(), torch.no_grad():
+            version = self._weights.version
+            out = list(self.rollout_many_step(list(env_rets)))
+        if len(out) != len(env_rets):
+            raise ValueError(
+                f"{type(self).__name__}.rollout_many_step returned {len(out)} responses for "
+                f"{len(env_rets)} requests"
+            )
+        return (*out, version)
 
     def _rollout_many(self, env_rets: Sequence[Any]) -> Any:
         """Several requests in one call (one Ray task, one return object per request)."""
@@ -223,9 +256,22 @@ class BasePolicy(WorkerCalls):
             raise RuntimeError(f"train() called on {self._who()}")
         if self.optimizer is None:
             self.optimizer = self.build_optimizer(self.train_config)
+        self._fence_optimizer(self.optimizer)
         batch = args[0] if args else self.dataset
         with self._timings.measure("train"):
             return self.train_step(batch, *args[1:], **kwargs)
+
+    def _fence_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before every step of `optimizer`: the fence of non-blocking syncs (their snapshots are
+        taken while the forward and backward run; only the update waits for them)."""
+        if getattr(optimizer, "_rlfleet_fenced", False):
+            return
+
+        def fence(*_: Any) -> None:
+            self.wait_for_weight_snapshot()
+
+        optimizer.register_step_pre_hook(fence)
+        optimizer._rlfleet_fenced = True  # type: ignore[attr-defined]
 
     # ================================================================== where we run (Ray)
     def _node_ip(self) -> str:

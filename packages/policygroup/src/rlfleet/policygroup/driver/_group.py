@@ -14,7 +14,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import ray
 
@@ -26,11 +26,12 @@ from rlfleet.policygroup.driver._calls import Calls, Policy, Roster, finished
 from rlfleet.policygroup.driver._membership import Membership
 from rlfleet.policygroup.driver._rollout import Rollouts
 from rlfleet.policygroup.driver._submitter import TaskSubmitter, is_remote
+from rlfleet.policygroup.sync._background import BackgroundSyncs
 from rlfleet.policygroup.sync._plan import Processes
 from rlfleet.policygroup.sync._weight_sync import SyncOutcome, WeightSync
 from rlfleet.policygroup.worker import ParallelMode
 from rlfleet.routing import Router
-from rlfleet.weightsync import compare_fingerprints
+from rlfleet.weightsync import PublishHandle, compare_fingerprints
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class PolicyGroup:
             self._calls, self._rollouts, self._sync, submitters, self._lock, self._rebuild
         )
         self._sync.members = self._members  # drops dead rollout workers during a sync
+        self._background = BackgroundSyncs(self._sync, self._calls, self._lock, self._sync_version)
         self._owned_actors, self._placement_groups = list(owned_actors), list(placement_groups)
         logger.info("[PolicyGroup] Using router: %s", type(self.router).__name__)
 
@@ -155,6 +157,12 @@ class PolicyGroup:
         return self._sync.version
 
     @property
+    def next_weight_version(self) -> int:
+        """The version the next sync will commit (a trainer that exports its weights itself
+        writes them under this number first)."""
+        return self._sync.next_version()
+
+    @property
     def last_sync(self) -> SyncOutcome | None:
         """What the last `send_weights` did (version, steps, seconds, workers dropped)."""
         return self._sync.last
@@ -204,9 +212,21 @@ class PolicyGroup:
     # ================================================================== rollouts
     def rollout_batch(self, batched_env_ret: BatchedData[Any]) -> BatchedData[Any]:
         """Route each request (env id as key), one task per rollout worker per batch; returns
-        BatchedData(ids, responses): ObjectRefs for actors, values for local policies."""
+        BatchedData(ids, responses): ObjectRefs for actors, values for local policies; its
+        ``versions()`` say which weight version produced each response (ObjectRefs / ints)."""
         self._members.purge_dead()
         return self._rollouts.rollout_batch(batched_env_ret)
+
+    async def rollout_batch_async(
+        self, batched_env_ret: BatchedData[Any], timeout: float | None = None
+    ) -> BatchedData[Any]:
+        """`rollout_batch` for asyncio: routing waits (up to `timeout`, default
+        ``rpc_timeout_s``) for a worker within ``max_staleness`` without blocking the loop;
+        returns BatchedData(ids, responses, versions) with values and versions resolved."""
+        self._members.purge_dead()
+        return await self._rollouts.rollout_batch_async(
+            batched_env_ret, self.config.rpc_timeout_s if timeout is None else timeout
+        )
 
     def postprocess(
         self,
@@ -227,6 +247,7 @@ class PolicyGroup:
     def send_weights(self) -> SyncReport | None:
         """Move the trainers' weights to every rollout worker as the next version (staged);
         returns what it measured (None when there is no rollout worker)."""
+        self._background.settle(self.config.sync_timeout_s)
         with self._lock:
             self._sync.last = self._sync.send(self._sync.next_version())
             return self._sync.last.report
@@ -236,12 +257,34 @@ class PolicyGroup:
         with self._lock:
             self._sync.apply()
 
-    def sync_weights(self) -> SyncReport | None:
+    @overload
+    def sync_weights(self, block: Literal[True] = ...) -> SyncReport | None: ...
+    @overload
+    def sync_weights(self, block: Literal[False]) -> PublishHandle[SyncReport | None]: ...
+    def sync_weights(self, block: bool = True) -> SyncReport | PublishHandle[SyncReport | None] | None:
         """Send the trainers' weights as the next version and apply it on every rollout worker;
         returns its `SyncReport` (the steps, and the whole sync: ``wall_seconds`` with its
-        ``wall_phases`` and ``predicted_wall_seconds``); None when there is no rollout worker."""
+        ``wall_phases`` and ``predicted_wall_seconds``; ``serving_stall_seconds``); None when
+        there is no rollout worker.
+
+        ``block=False`` (async RL): returns a handle once every sending trainer has queued its
+        snapshot of the version; the steps and the rolling apply run in the background.
+        ``handle.snapshot_done()`` waits for the snapshots (a trainer's optimizer step waits for
+        them anyway: forward and backward overlap the copy); ``handle.result()`` is the report.
+        A version still waiting when a newer one is snapshotted is skipped (the newer report's
+        ``skipped_versions``); a failure nobody collected is raised by the next sync call. Call
+        it between training steps, not during one.
+        """
+        if not block:
+            return self._background.submit()
+        self._background.settle(self.config.sync_timeout_s)
         with self._lock:
-            sent = self.send_weights()
+            return self._sync_version(self._sync.next_version())
+
+    def _sync_version(self, version: int) -> SyncReport | None:
+        with self._lock:
+            self._sync.last = self._sync.send(version)
+            sent = self._sync.last.report
             self.notify_update_weights()
             if sent is None or self._sync.last is None:
                 return sent
@@ -255,6 +298,7 @@ class PolicyGroup:
         result as ``PolicyConfig.cost_model`` to price plans with it."""
         from rlfleet.policygroup.driver._calibrate import calibrate
 
+        self._background.settle(self.config.sync_timeout_s)
         with self._lock:
             return calibrate(self, syncs, extra)
 
@@ -374,7 +418,7 @@ class PolicyGroup:
         self.init_placement_info(self._processes.colocated)
         self.init_weight_buffer()
         self.init_comm_group(self._sync.wiring.backend, self._processes.colocated)
-        self.sync_weights()
+        self._sync_version(self._sync.next_version())  # under the lock: not behind a background sync
 
     def check_liveness(self, timeout: float = 10.0) -> list[str]:
         """Ping every worker; drop dead rollout workers (returned by name); a dead trainer raises."""

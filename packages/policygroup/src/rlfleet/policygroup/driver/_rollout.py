@@ -2,12 +2,15 @@
 
 The router counts a request when it is routed and a completion callback on its task releases
 it (no RPC per batch, as the seed did); a batch is one task per worker, one return object per
-request. A worker whose task fails with an actor error is marked dead and dropped by the group
-before its next call.
+request, plus one for the weight version that served them (async RL: every sample says which
+weights made it). A worker whose task fails with an actor error is marked dead and dropped by
+the group before its next call. The router bounds staleness (`PolicyConfig.max_staleness`): the
+group announces each committed version (`announce`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -41,6 +44,9 @@ class Rollouts:
                     "{'env': {'ids': [...]}, 'eval': {'ids': [...]}}}, as the seed's resource manager)"
                 )
             extra["component_distribution"] = config.component_distribution
+        if config.router_type == "prefix_aware":
+            extra["on_new_version"] = config.on_new_version
+        extra["max_staleness"] = config.max_staleness
         self.router: Router[Hashable] = create_router(config.rollout_mode, config.router_type, wids, **extra)
 
     # -- membership ---------------------------------------------------------------------
@@ -65,6 +71,10 @@ class Rollouts:
     def set_version(self, policy: Policy, version: int) -> None:
         with contextlib.suppress(UnknownWorkerError):
             self.router.set_version(self.roster.wid(policy), version)
+
+    def announce(self, version: int) -> None:
+        """A sync committed `version`: workers more than `max_staleness` behind it take nothing."""
+        self.router.set_latest_version(version)
 
     def drain(self, policies: Sequence[Policy]) -> None:
         """Stop routing to `policies` and wait until their requests finished (bounded)."""
@@ -125,38 +135,94 @@ class Rollouts:
                 "dropped); add one with push() or convert_train_to_eval()"
             )
 
-    def rollout_batch(self, batch: BatchedData[Any]) -> BatchedData[Any]:
-        """Route each request (env id as key); one task per worker per batch."""
+    @staticmethod
+    def _check_batch(batch: BatchedData[Any]) -> tuple[list[Any], list[Any]]:
         if not (callable(getattr(batch, "ids", None)) and callable(getattr(batch, "values", None))):
             raise TypeError(
                 f"rollout_batch takes a BatchedData (env ids and their env returns; any object with "
                 f"ids() and values()), got {type(batch).__name__}: wrap a list x as "
                 "BatchedData(list(range(len(x))), x)"
             )
-        ids, values = batch.ids(), batch.values()
+        return list(batch.ids()), list(batch.values())
+
+    def rollout_batch(self, batch: BatchedData[Any]) -> BatchedData[Any]:
+        """Route each request (env id as key); one task per worker per batch."""
+        ids, values = self._check_batch(batch)
         if ids:
             self._require_workers("rollout_batch")
         by_worker: dict[Hashable, list[int]] = {}
         for i, wid in enumerate(self.router.assign(ids, timeout=self.config.rpc_timeout_s) if ids else []):
             by_worker.setdefault(wid, []).append(i)
         out: list[Any] = [None] * len(ids)
+        versions: list[Any] = [None] * len(ids)
         for wid, idxs in by_worker.items():
-            policy = self._worker(wid, len(idxs), "rollout_batch")
-            chunk, many = [values[i] for i in idxs], len(idxs) > 1
-            if is_remote(policy):
-                method = policy._rollout_many
-                results = (
-                    method.options(num_returns=len(idxs)).remote(chunk) if many else [method.remote(chunk)]
-                )
-                self._release_later(results[-1], wid, len(idxs))
-            else:
-                try:
-                    results = policy.rollout_many_step(chunk) if many else [policy._rollout(chunk[0])]
-                finally:
-                    self._release(wid, len(idxs))
+            results, version = self._dispatch(wid, [values[i] for i in idxs])
             for i, value in zip(idxs, results, strict=True):
-                out[i] = value
-        return BatchedData(ids, out)
+                out[i], versions[i] = value, version
+        return BatchedData(ids, out, versions)
+
+    def _dispatch(self, wid: Hashable, chunk: list[Any]) -> tuple[list[Any], Any]:
+        """One task on `wid` for `chunk` (already counted in flight): its responses and the
+        weight version that served them (ObjectRefs from an actor)."""
+        policy, n = self._worker(wid, len(chunk), "rollout_batch"), len(chunk)
+        if is_remote(policy):
+            method = getattr(policy, "_rollout_versioned", None)
+            if method is None:  # a duck-typed worker: the version the router knows it serves
+                version = self.router.version(wid)
+                plain = policy._rollout_many
+                refs = plain.options(num_returns=n).remote(chunk) if n > 1 else [plain.remote(chunk)]
+                self._release_later(refs[-1], wid, n)
+                return list(refs), version
+            refs = method.options(num_returns=n + 1).remote(chunk)
+            self._release_later(refs[-1], wid, n)
+            return list(refs[:-1]), refs[-1]
+        try:
+            *results, version = policy._rollout_versioned(chunk)
+        finally:
+            self._release(wid, n)
+        return results, int(version)
+
+    async def rollout_batch_async(self, batch: BatchedData[Any], timeout: float) -> BatchedData[Any]:
+        """`rollout_batch` for asyncio: routing waits (within `timeout`) without blocking the loop,
+        for a worker recent enough under `max_staleness`; values and versions come back resolved."""
+        ids, values = self._check_batch(batch)
+        if ids:
+            self._require_workers("rollout_batch_async")
+        loop = asyncio.get_running_loop()
+        due = loop.time() + timeout
+        by_worker: dict[Hashable, list[int]] = {}
+        try:
+            for i, env_id in enumerate(ids):
+                wid = await self.router.select_async(env_id, timeout=max(1e-3, due - loop.time()))
+                by_worker.setdefault(wid, []).append(i)
+        except BaseException:
+            for wid, idxs in by_worker.items():
+                self._release(wid, len(idxs))
+            raise
+        out: list[Any] = [None] * len(ids)
+        versions: list[Any] = [None] * len(ids)
+        pending = [
+            (idxs, self._dispatch_async(wid, [values[i] for i in idxs])) for wid, idxs in by_worker.items()
+        ]
+        done = await asyncio.wait_for(
+            asyncio.gather(*(task for _, task in pending)), timeout=max(1e-3, due - loop.time())
+        )
+        for (idxs, _), (results, version) in zip(pending, done, strict=True):
+            for i, value in zip(idxs, results, strict=True):
+                out[i], versions[i] = value, int(version)
+        return BatchedData(ids, out, versions)
+
+    async def _dispatch_async(self, wid: Hashable, chunk: list[Any]) -> tuple[list[Any], Any]:
+        policy = self.roster.by_wid(wid)
+        if policy is not None and not is_remote(policy):
+            try:  # a local policy computes in a thread: the loop keeps running
+                *results, version = await asyncio.to_thread(policy._rollout_versioned, chunk)
+            finally:
+                self._release(wid, len(chunk))
+            return results, version
+        refs, version = self._dispatch(wid, chunk)
+        results = list(await asyncio.gather(*refs))
+        return results, (await version if isinstance(version, ray.ObjectRef) else version)
 
     def postprocess(self, env_ids: Sequence[Any], batched_args: Sequence[Sequence[Any]]) -> BatchedData[Any]:
         """Submit `_postprocess(*args)` per env id to a routed rollout worker."""

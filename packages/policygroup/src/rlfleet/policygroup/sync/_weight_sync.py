@@ -63,6 +63,8 @@ class WeightSync:
         self.layout: dict[str, Any] | None = None
         self.version = 0
         self.attempted = 0  # the highest version a send began
+        self.reserved = 0  # the highest version a non-blocking sync snapshotted
+        self.stall = 0.0  # this sync's longest serving stall of one rollout worker (seconds)
         self.staged: int | None = None
         self.last: SyncOutcome | None = None
         self.report: SyncReport | None = None
@@ -149,7 +151,7 @@ class WeightSync:
     def next_version(self) -> int:
         """The number the next send uses: never one a failed send used (some receivers may hold
         it, with the trainers' weights of then)."""
-        return max(self.version, self.attempted) + 1
+        return max(self.version, self.attempted, self.reserved) + 1
 
     def send(self, version: int, retry: bool = True) -> SyncOutcome:
         """Stage `version` on every rollout worker ("None": applied in place, the workers drained).
@@ -171,11 +173,13 @@ class WeightSync:
         assert plan is not None
         in_place = self.strategy == "None"
         drained = list(roster.eval_list) if in_place else []
+        self.stall = 0.0
         if drained:
             try:
                 self.rollouts.drain(drained)
             except DrainTimeoutError as exc:  # the router is as it was: nothing sent, v-1 served
                 raise PolicyGroupError(f"send_weights v{version} ('None' applies in place): {exc}") from exc
+        idle = time.perf_counter()  # "None": the workers admit nothing until the version is in
         try:
             run = run_steps.start(
                 plan,
@@ -198,6 +202,7 @@ class WeightSync:
                 if in_place:
                     self.applied(version)
                 self.staged = version
+                self.rollouts.announce(version)  # committed: the router bounds staleness from it
                 self._time_whole(run.started, begun)
                 return SyncOutcome(version, len(plan.steps), time.perf_counter() - start, gone, self.report)
             outcome = self._recover(version, failed, retry, start)
@@ -208,6 +213,8 @@ class WeightSync:
             # as the send found it: the workers it drained are routed to again
             if drained:
                 self.rollouts.undrain(drained)
+                self._stalled(idle)  # "None" applied in place: the stall is the transfer
+                self._report_stall(version)
 
     def _time_whole(self, steps_began: float, begun: float) -> None:
         """Put the whole send in the report: before the steps that delivered the version (checks,
@@ -223,6 +230,15 @@ class WeightSync:
             "apply": 0.0,
         }
         self.report = report.with_wall(phases, self._predicted_wall(apply=False))
+
+    def _report_stall(self, version: int) -> None:
+        report = self.report
+        if report is not None and report.version == version:
+            self.report = dataclasses.replace(report, serving_stall_seconds=self.stall)
+
+    def _stalled(self, idle: float) -> None:
+        """A rollout worker admitted nothing from `idle` (drained, its requests done) until now."""
+        self.stall = max(self.stall, time.perf_counter() - idle)
 
     def _predicted_wall(self, apply: bool) -> float | None:
         if self.plan is None:
@@ -288,6 +304,7 @@ class WeightSync:
         if version is None or version <= self.version:
             return
         began = time.time()
+        self.stall = 0.0
         try:
             self._apply_rolling(version)
         finally:
@@ -295,6 +312,7 @@ class WeightSync:
             if report is not None and report.version == version and report.wall_seconds is not None:
                 phases = {**report.wall_phases, "apply": time.time() - began}
                 self.report = report.with_wall(phases, self._predicted_wall(apply=True))
+            self._report_stall(version)
         self.version = version
 
     def _apply_rolling(self, version: int) -> None:
@@ -327,6 +345,7 @@ class WeightSync:
         if not policies:
             return
         self.rollouts.drain(policies)
+        idle = time.perf_counter()  # drained, their requests done: they serve nothing until undrained
         try:
             calls = [(p, self.calls.invoke(p, "apply_staged", version, None, group_id)) for p in policies]
             results = self.calls.gather(calls, self.config.rpc_timeout_s, f"apply v{version}")
@@ -337,7 +356,9 @@ class WeightSync:
             if group_id is None and error is not None:
                 self.calls.raise_for(policies[0], error, f"apply v{version}")
             self.calls.raise_failures(policies, results, f"apply v{version}")
-            for p in policies:
-                self.rollouts.set_version(p, version)
+            for p, (live, _) in zip(policies, results, strict=True):
+                # a worker may have bound a newer version already in its node buffer (it skipped ahead)
+                self.rollouts.set_version(p, max(version, int(live)) if isinstance(live, int) else version)
         finally:
             self.rollouts.undrain(policies)
+            self._stalled(idle)

@@ -19,6 +19,7 @@ from rlfleet.policygroup.worker._checkpoints import Checkpoints
 from rlfleet.policygroup.worker._comm import WorkerComm
 from rlfleet.policygroup.worker._device import Profiler, Timings
 from rlfleet.policygroup.worker._settings import WorkerSettings
+from rlfleet.policygroup.worker._snapshots import TrainerSnapshots
 from rlfleet.weightsync import ServingLock, WorkerWeights
 
 
@@ -39,6 +40,7 @@ class WorkerHost:
     _serve: ServingLock
     _comm: WorkerComm
     _weights: WorkerWeights
+    _snapshots: TrainerSnapshots  # a trainer's snapshots for non-blocking syncs
     _checkpoints: Checkpoints
     _offloaded: dict[str, bool]  # "model", "optimizer", "grad": what `OffloadCalls` moved out
     _profiler: Profiler
@@ -65,6 +67,7 @@ class WorkerHost:
             attach_timeout_s=c.group_timeout_s,
             write_timeout_s=c.sync_timeout_s,
         )
+        self._snapshots = TrainerSnapshots(self._who)
         self._checkpoints = Checkpoints()
         self._offloaded = dict.fromkeys(("model", "optimizer", "grad"), False)
         self._profiler = Profiler()
@@ -100,6 +103,7 @@ class WorkerHost:
     # -- lifecycle --------------------------------------------------------------------------
     def release_weight_buffers(self) -> int:
         """Leave the node's buffer, unlinking it if this worker wrote it; returns how many unlinked."""
+        self._snapshots.release()
         return self._weights.release()
 
     def shutdown(self) -> bool:

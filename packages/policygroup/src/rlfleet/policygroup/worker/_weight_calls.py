@@ -8,7 +8,10 @@ worker receives every broadcast addressed to it: one part per sender, assembled 
 version under the two-phase commit), ``sync_stage`` (a rollout worker takes the version from
 its node's buffer) and, for a "cuda_ipc" step, ``sync_ipc_channel`` then ``sync_ipc_send`` (a
 trainer: its CUDA IPC channel to the step's readers, then the version through it) and
-``sync_ipc_receive`` (a reader, attached to that channel, into its endpoint). Each takes the
+``sync_ipc_receive`` (a reader, attached to that channel, into its endpoint). A non-blocking
+sync (`PolicyGroup.sync_weights(block=False)`) first asks each sending trainer for a snapshot
+(``sync_snapshot``, which returns once it is queued; ``wait_snapshot``; `_snapshots`), and its
+steps then send that snapshot, never the live weights. Each takes the
 sync's one deadline (a wall-clock time every step shares) and returns what it measured: start
 and end (``time.time()``) and its phases. They call the overridable methods below
 (`publish_shared`, `send_broadcast`, `recv_broadcast`, `stage_from_segment`, `send_ipc`,
@@ -72,6 +75,13 @@ class WeightCalls(WorkerHost):
     get_state_dict: Callable[[], dict[str, torch.Tensor]]
     load_state_dict: Callable[[Mapping[str, torch.Tensor]], None]
 
+    def _version_live(self) -> None:
+        """A host's new-version hook (`BasePolicy.on_weight_version`), run once per version."""
+
+    def _live(self, out: Timed) -> Timed:
+        self._version_live()
+        return out
+
     @property
     def weights(self) -> WorkerWeights:
         """This worker's weightsync state: the node buffer it writes (``node_writer``) and the
@@ -80,8 +90,11 @@ class WeightCalls(WorkerHost):
 
     # ================================================================== the sync's steps (timed)
     def sync_publish(self, version: int, deadline_at: float, *_after: Any) -> Timed:
-        """A node_buffer step's writer: this version into the node's buffer, once."""
+        """A node_buffer step's writer: this version into the node's buffer, once (a non-blocking
+        sync's snapshot already put it there)."""
         left = left_until(deadline_at, "publish into the node buffer")
+        if self._snapshots.require(version, "publish"):
+            self._snapshots.wait(version, Deadline(left))
         return timed(lambda: self.publish_shared(version, left), "pack")
 
     def sync_send(
@@ -92,18 +105,38 @@ class WeightCalls(WorkerHost):
         size = self.config.weight_buffer.bucket_bytes
         return timed(lambda: self.send_broadcast(group_id, version, size, left, buckets=buckets), "wire")
 
+    def sync_snapshot(self, version: int, slot: int, kinds: Sequence[str], deadline_at: float) -> float:
+        """A non-blocking sync's first call on a sending trainer: queue the snapshot of `version`
+        into snapshot `slot` ("publish": into the node buffer; "copy": a private copy) and return
+        at once (when it was queued): from now on `wait_for_weight_snapshot` waits for it."""
+        left = left_until(deadline_at, f"snapshot of v{version}")
+        self._snapshots.start(
+            version, slot, tuple(kinds), Deadline(left), lambda: self.model, self.publish_shared
+        )
+        return time.time()
+
+    def wait_snapshot(self, version: int, timeout_s: float) -> bool:
+        """Block until the snapshot of `version` is taken (its error raised); False if none was asked."""
+        return self._snapshots.wait(version, Deadline(timeout_s))
+
+    def wait_for_weight_snapshot(self, timeout_s: float | None = None) -> None:
+        """The fence before changing the weights (`BasePolicy` runs it before each optimizer step):
+        wait for the snapshots non-blocking syncs queued (bounded by ``sync_timeout_s``)."""
+        if self._snapshots.pending:
+            self._snapshots.fence(Deadline(self.config.sync_timeout_s if timeout_s is None else timeout_s))
+
     def sync_receive(
         self, parts: Sequence[Mapping[str, Any]], version: int, deadline_at: float, *_after: Any
     ) -> Timed:
         """Every broadcast step this rollout worker receives: one part per sender (group id,
         sender's world rank, sender id, its buckets), assembled into one version."""
         left = left_until(deadline_at, "receive")
-        return timed(lambda: self.recv_broadcast(parts, version, left))
+        return self._live(timed(lambda: self.recv_broadcast(parts, version, left)))
 
     def sync_stage(self, name: str, version: int, deadline_at: float, *_after: Any) -> Timed:
         """A node_buffer step's reader: this version out of the node's buffer `name`."""
         left = left_until(deadline_at, f"read node buffer {name}")
-        return timed(lambda: self.stage_from_segment(name, version, timeout_s=left), "land")
+        return self._live(timed(lambda: self.stage_from_segment(name, version, timeout_s=left), "land"))
 
     def sync_ipc_channel(
         self, readers: Sequence[str], backend: str, bucket_bytes: int, checksums: bool
@@ -122,7 +155,7 @@ class WeightCalls(WorkerHost):
     ) -> Timed:
         """A cuda_ipc step's reader `index`: this version from `channel` into our endpoint."""
         left = left_until(deadline_at, f"receive from IPC channel {channel}")
-        return timed(lambda: self.recv_ipc(channel, index, version, left), "land")
+        return self._live(timed(lambda: self.recv_ipc(channel, index, version, left), "land"))
 
     # ================================================================== calibration probes
     def probe_copy_terms(self) -> dict[str, float]:
@@ -188,12 +221,20 @@ class WeightCalls(WorkerHost):
         """Broadcast `buckets` (None: all) of this trainer's weights in group `group_id` (we are the root)."""
         layout = self._weights.layout_for(self.model, bucket_bytes)
         sender = self._comm.sender(group_id, layout)
-        sender.send(self.model.state_dict(), version, Deadline(timeout_s), buckets=buckets)
+        deadline = Deadline(timeout_s)
+        weights = self._snapshots.copy_for(version, deadline)  # a non-blocking sync's snapshot
+        sender.send(
+            self.model.state_dict() if weights is None else weights, version, deadline, buckets=buckets
+        )
         return layout.padded_bytes
 
     def send_ipc(self, channel: str, version: int, timeout_s: float) -> int:
         """Send this version of our weights through our IPC channel `channel`; bytes moved."""
-        return self._weights.ipc_send(self.model, channel, version, Deadline(timeout_s))
+        deadline = Deadline(timeout_s)
+        weights = self._snapshots.copy_for(version, deadline)  # a non-blocking sync's snapshot
+        if weights is not None:
+            return self._weights.ipc_writer.send(channel, weights, version, deadline)
+        return self._weights.ipc_send(self.model, channel, version, deadline)
 
     def recv_ipc(self, channel: str, index: int, version: int, timeout_s: float) -> int:
         """Take `version` from IPC channel `channel` as its reader `index` (staged, or applied for "None")."""
@@ -238,6 +279,7 @@ class WeightCalls(WorkerHost):
         with self._serve.exclusive(self.config.drain_timeout_s):
             self.load_state_dict(state)
             self._weights.version = self._weights.version + 1 if version is None else int(version)
+        self._version_live()
         return self._weights.version
 
     # ================================================================== applying
@@ -249,7 +291,9 @@ class WeightCalls(WorkerHost):
         if endpoint is None:
             return self._weights.version
         group = None if group_id is None else self._comm.group(group_id)
-        return int(endpoint.apply(version, timeout_s or self.config.drain_timeout_s, group))
+        applied = int(endpoint.apply(version, timeout_s or self.config.drain_timeout_s, group))
+        self._version_live()
+        return applied
 
     def notify_update_weights(self) -> int:
         """Seed call: new weights are staged; apply them now (the group drains us first)."""

@@ -170,14 +170,30 @@ class _Endpoint:
 
     # -- taking a version -----------------------------------------------------------------
     def stage_from_node(self, name: str, version: int, deadline: Deadline | float | None = None) -> int:
-        """Take `version` from this node's shared buffer `name` (written once by its writer)."""
+        """Take `version` from this node's shared buffer `name` (written once by its writer); the
+        version staged, newer when the writer already replaced `version` (see `_newest_instead`)."""
         self._applied.clear()
         reader = self._reader(name)
         if self.has(version):
             self._applied.set()
             return version
-        self._stage_from(reader, version, Deadline.coerce(deadline))
+        deadline = Deadline.coerce(deadline)
+        try:
+            self._stage_from(reader, version, deadline)
+        except VersionError as exc:
+            newest = self._newest_instead(reader, version, exc)
+            self._stage_from(reader, newest, deadline)
+            return newest
         return version
+
+    @staticmethod
+    def _newest_instead(reader: SharedBufferReader, version: int, error: VersionError) -> int:
+        """Async RL: the trainer committed newer versions while this worker was still to take
+        `version`, which is gone: take the newest (skip ahead; no queue of stale versions)."""
+        newest = reader.latest_version()
+        if newest <= version:
+            raise error
+        return newest
 
     def receive(
         self, transport: TransportReceiver, version: int, deadline: Deadline | float | None = None
@@ -205,7 +221,7 @@ class _Endpoint:
         if staged is None:
             self._applied.set()
             return self._version
-        if version is not None and staged != version:
+        if version is not None and staged < version:  # a newer one staged: it skipped ahead
             raise VersionError(f"{self!r}: asked to apply v{version}, staged is v{staged}")
         deadline = Deadline.coerce(deadline if deadline is not None else self.commit_timeout_s)
         try:
@@ -343,7 +359,12 @@ class SharedEndpoint(_Endpoint):
     def stage_from_node(self, name: str, version: int, deadline: Deadline | float | None = None) -> int:
         """Nothing to copy: wait until the node's writer committed `version` (and verify it)."""
         self._applied.clear()
-        self._reader(name).check_version(version, Deadline.coerce(deadline))
+        reader, deadline = self._reader(name), Deadline.coerce(deadline)
+        try:
+            reader.check_version(version, deadline)
+        except VersionError as exc:
+            version = self._newest_instead(reader, version, exc)
+            reader.check_version(version, deadline)
         self._staged = version
         return version
 
