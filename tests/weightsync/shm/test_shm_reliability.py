@@ -252,17 +252,17 @@ def test_ring_receive_into_a_shared_buffer_ends_at_its_deadline_naming_the_reade
 
 # -- 8. blocking calls default to a finite deadline ---------------------------------------------
 def test_ring_and_reader_calls_without_a_deadline_end_by_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shm_ring, "DEFAULT_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(ring_format, "DEFAULT_TIMEOUT_S", 0.5)
+    # A ring's omitted deadline is DEFAULT_RING_TIMEOUT_S, bound in its signature (checked in
+    # test_node_buffer_deadlines.py); None means that default too, read when called: shortened here.
+    monkeypatch.setattr(shm_ring, "DEFAULT_RING_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ring_format, "DEFAULT_RING_TIMEOUT_S", 0.5)
     monkeypatch.setattr(shared_reader, "DEFAULT_TIMEOUT_S", 0.5)
     layout = _layout()
     buffer = DoubleBuffer(w.zeros_like_layout(layout), layout)
     with ShmRingSender(layout, 1) as sender:  # alive and silent
         with pytest.raises(SyncTimeoutError, match="reader 0 to attach"):
-            sender.send(w.make_state(1), 1)
+            sender.send(w.make_state(1), 1, None)
         receiver = ShmRingReceiver.attach(sender.name, 0)
-        with pytest.raises(SyncTimeoutError, match="waiting for the next version"):
-            receiver.receive(buffer)
         with pytest.raises(SyncTimeoutError, match="waiting for the next version"):
             receiver.receive(buffer, None)
         receiver.close()

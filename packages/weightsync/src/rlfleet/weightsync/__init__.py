@@ -188,6 +188,7 @@ from rlfleet.weightsync.reshard import (
     Transfer,
 )
 from rlfleet.weightsync.shm import (
+    DEFAULT_RING_TIMEOUT_S,
     SharedBuffer,
     SharedBufferReader,
     SharedSegment,
@@ -205,6 +206,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_RESHARD_BUCKET_BYTES",
     "DEFAULT_RESHARD_DIRECT_MIN",
+    "DEFAULT_RING_TIMEOUT_S",
     "DEFAULT_SERVING_TIMEOUT_S",
     "DEFAULT_SYNC_TIMEOUT_S",
     "DTYPES",

@@ -14,8 +14,9 @@ in JSON) and the sender's layout. Its words hold per-slot sequence numbers and s
 per-reader liveness and acks, and a two-phase commit: each reader, once its consumer took every
 bucket and prepared its commit (`prepare_commit`: what the commit needs, acquired before the
 vote), reports *prepared*, or *failed*; the sender then writes *commit* only if every reader
-prepared, else *abort*, so a version lands on all readers or on none. Waits poll under a `Deadline` and check the peer's
-liveness (pid + start time): a dead peer is a `PeerLostError`, a stuck one a `SyncTimeoutError`.
+prepared, else *abort*, so a version lands on all readers or on none. Waits poll under a
+`Deadline` and check the peer's liveness (pid + start time): a dead peer is a `PeerLostError`,
+a stuck one a `SyncTimeoutError`.
 
 Sessions. Each `send` is a session, numbered in the control block (its generation). A reader
 marks the session whose slots it may still read; a new session rewrites no slot until every

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import rlfleet.weightsync.cuda._ipc_control as ipc
-from rlfleet.weightsync._deadline import Backoff, Deadline
+from rlfleet.weightsync._deadline import Backoff, Deadline, caller_deadline
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
     LayoutMismatchError,
@@ -176,7 +176,8 @@ class CudaIpcReceiver:
                 )
             if nbuckets != len(consumer.layout.buckets):
                 raise MetadataError(f"session has {nbuckets} buckets, layout {len(consumer.layout.buckets)}")
-            consumer.begin(version)
+            with caller_deadline(deadline):  # a node buffer waits for its readers no longer than this
+                consumer.begin(version)
             began = True
             self._read_buckets(consumer, session, version, base, nbuckets, deadline)
             failure = prepare(consumer, version, deadline, f"IPC channel {self.name}: reader {me}")

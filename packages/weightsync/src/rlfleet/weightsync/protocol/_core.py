@@ -250,15 +250,18 @@ def prepare(consumer: BucketConsumer, version: int, deadline: Deadline, who: str
     if hook is None:
         return None
     try:
-        hook(version, deadline.leaving(_vote_margin(deadline)))
+        hook(version, before_vote(deadline))
     except Exception as exc:
         return consumer_error(exc, f"{who} could not prepare the commit of version {version}")
     return None
 
 
-def _vote_margin(deadline: Deadline) -> float:
+def before_vote(deadline: Deadline) -> Deadline:
+    """What of `deadline` a consumer hook may take when a status round follows it (the begin
+    before the negotiation, the prepare before the commit vote): most, not all, of what is left,
+    since a round that misses the deadline breaks the group."""
     left = deadline.remaining()
-    return 0.0 if left is None else min(2.0, 0.25 * left)
+    return deadline.leaving(0.0 if left is None else min(2.0, 0.25 * left))
 
 
 def safe_abort(consumer: BucketConsumer, error: BaseException) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from rlfleet.weightsync._deadline import Deadline, caller_deadline
+from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline, caller_deadline
 from rlfleet.weightsync._errors import IncompleteSyncError, LayoutMismatchError
 from rlfleet.weightsync.layout._dtypes import dtype_name
 from rlfleet.weightsync.layout._layout import Layout
@@ -143,9 +143,13 @@ def feed(
     consumer: BucketConsumer,
     weights: Iterable[tuple[str, torch.Tensor]],
     version: int,
-    deadline: Deadline | float | None = None,
+    deadline: Deadline | float | None = DEFAULT_SYNC_TIMEOUT_S,
 ) -> int:
     """Hand `weights` to `consumer` as `version`, bucket by bucket, then commit it.
+
+    Within `deadline` (seconds or a `Deadline`; None: no limit), which the consumer's own waits
+    also keep (`caller_deadline`: a node buffer waits for its readers no longer than this, nor
+    than its own `timeout_s`).
 
     Every name of the consumer's layout must come exactly once, with the layout's shape and
     dtype, in any order (the layout's order keeps one bucket open at a time); a name that comes

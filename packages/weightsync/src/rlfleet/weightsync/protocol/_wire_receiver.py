@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline
+from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline, caller_deadline
 from rlfleet.weightsync._errors import (
     ChecksumMismatchError,
     LayoutMismatchError,
@@ -26,6 +26,7 @@ from rlfleet.weightsync.layout._layout import MAX_METADATA_BYTES, Layout, Tensor
 from rlfleet.weightsync.protocol._core import (
     Pending,
     Status,
+    before_vote,
     consumer_error,
     describe,
     prepare,
@@ -123,7 +124,7 @@ class ProtocolReceiver(BroadcastSession):
         if header.abort is not None:
             self.in_step()
             raise SyncAbortedError(f"sender aborted version {header.version}: {header.abort}")
-        code, own_error = self._negotiate(consumer, header, share)
+        code, own_error = self._negotiate(consumer, header, share, deadline)
         began = code == Status.OK
         try:
             codes = self._status_round(code, deadline, "sync negotiation")
@@ -154,7 +155,7 @@ class ProtocolReceiver(BroadcastSession):
         return header.version, total, len(inbound.indices)
 
     def _negotiate(
-        self, consumer: BucketConsumer, header: Header, share: tuple[int, ...] | None
+        self, consumer: BucketConsumer, header: Header, share: tuple[int, ...] | None, deadline: Deadline
     ) -> tuple[Status, WeightSyncError | None]:
         """This rank's status for the negotiation round (and its own error, if it has one)."""
         if header.digest != consumer.layout.digest:
@@ -165,7 +166,8 @@ class ProtocolReceiver(BroadcastSession):
                 f"from the sender, which announces {_share_words(header.share)}"
             )
         try:
-            consumer.begin(header.version)
+            with caller_deadline(before_vote(deadline)):  # a node buffer waits for readers
+                consumer.begin(header.version)  # under this sync's deadline, not a timeout of its own
         except VersionError as exc:
             return Status.VERSION, exc
         except Exception as exc:

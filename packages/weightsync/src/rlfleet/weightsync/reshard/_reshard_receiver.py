@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline
+from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline, caller_deadline
 from rlfleet.weightsync._errors import (
     LayoutMismatchError,
     MetadataError,
@@ -22,6 +22,7 @@ from rlfleet.weightsync.layout._packing import bucket_starts, typed_view
 from rlfleet.weightsync.protocol._core import (
     Pending,
     Status,
+    before_vote,
     consumer_error,
     prepare,
     safe_abort,
@@ -116,7 +117,7 @@ class ReshardReceiver(ReshardSession):
         return headers
 
     def _own_status(
-        self, consumer: BucketConsumer, headers: list[dict[str, Any]], version: int
+        self, consumer: BucketConsumer, headers: list[dict[str, Any]], version: int, deadline: Deadline
     ) -> tuple[Status, WeightSyncError | None]:
         """This rank's negotiation status: the headers agree, the consumer fits and began `version`."""
         versions = {h["version"] for h in headers}
@@ -133,7 +134,8 @@ class ReshardReceiver(ReshardSession):
         if own is not None:
             return Status.LAYOUT, own
         try:
-            consumer.begin(version)
+            with caller_deadline(before_vote(deadline)):  # a consumer's begin waits under this sync's
+                consumer.begin(version)
         except VersionError as exc:
             return Status.VERSION, exc
         except Exception as exc:
@@ -145,7 +147,7 @@ class ReshardReceiver(ReshardSession):
         headers = self._headers(deadline)
         versions = {h["version"] for h in headers}
         version = headers[0]["version"] if len(versions) == 1 else -1
-        code, own = self._own_status(consumer, headers, version)
+        code, own = self._own_status(consumer, headers, version, deadline)
         began = code == Status.OK
         try:
             outcome, codes = self._negotiate(code, version, deadline)

@@ -2,6 +2,7 @@
 `ShmRing` transport and the node buffer (`SharedBuffer`, two slots every local reader maps).
 """
 
+from rlfleet.weightsync.shm._ring_format import DEFAULT_RING_TIMEOUT_S
 from rlfleet.weightsync.shm._shared_buffer import SharedBuffer, SharedBufferReader
 from rlfleet.weightsync.shm._shm import (
     SharedSegment,
@@ -13,6 +14,7 @@ from rlfleet.weightsync.shm._shm_ring import ShmRingReceiver, ShmRingSender
 from rlfleet.weightsync.shm._termination import install_termination_cleanup, register_termination_cleanup
 
 __all__ = [
+    "DEFAULT_RING_TIMEOUT_S",
     "SharedBuffer",
     "SharedBufferReader",
     "SharedSegment",

@@ -31,4 +31,6 @@ MAGIC, FORMAT = 0x524C46_52494E47, 1  # "RLF" "RING"
 RING = BlockShape("ring", MAGIC, FORMAT, SLOT_BASE, SLOT_WORDS, READER_WORDS, G_WRITER_PID, G_WRITER_START)
 MAX_READERS = 4096
 MAX_SLOTS = 64
-DEFAULT_TIMEOUT_S = 60.0
+#: What a ring's `send` and `receive` wait by default (None means it too; ``math.inf``: no limit):
+#: a receiver whose writer is alive but silent gives up, and a writer whose reader is stuck.
+DEFAULT_RING_TIMEOUT_S = 60.0

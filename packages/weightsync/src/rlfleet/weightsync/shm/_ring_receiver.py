@@ -3,7 +3,7 @@
 A receiver waits for a session it is a member of, hands each published slot to its
 `BucketConsumer` (checking the sender's layout digest first and each bucket's CRC32 when the
 sender stores them), acknowledges it, and reports its outcome; every wait checks the writer's
-liveness and ends by the deadline (60 s by default).
+liveness and ends by the deadline (`DEFAULT_RING_TIMEOUT_S`, 60 s, by default).
 """
 
 from __future__ import annotations
@@ -139,15 +139,17 @@ class ShmRingReceiver:
                 raise deadline.error(f"ring {self.name}: reader {me} waiting for the next version")
             backoff.sleep(deadline.remaining())
 
-    def receive(self, consumer: BucketConsumer, deadline: Deadline | float | None = None) -> int:
+    def receive(
+        self, consumer: BucketConsumer, deadline: Deadline | float | None = rf.DEFAULT_RING_TIMEOUT_S
+    ) -> int:
         """Receive the next version into `consumer` within `deadline` (seconds or a `Deadline`;
-        None: the default 60 s); returns the version committed.
+        None: `DEFAULT_RING_TIMEOUT_S` too; ``math.inf``: no limit); returns the version committed.
 
         On any error the consumer is aborted (its applied version stays), the writer is told,
         and the error is raised. The consumer's hooks run under this deadline
         (`caller_deadline`): a `SharedBuffer` waits for its readers no longer than the receive.
         """
-        deadline = deadline_or(deadline, rf.DEFAULT_TIMEOUT_S)
+        deadline = deadline_or(deadline, rf.DEFAULT_RING_TIMEOUT_S)
         with caller_deadline(deadline):
             return self._receive(consumer, deadline)
 

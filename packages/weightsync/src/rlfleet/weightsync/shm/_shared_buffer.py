@@ -12,11 +12,12 @@ whatever the number of receivers. The segment layout and slot rules are in `_sha
 
 The newest committed version is never overwritten: a version that fails (abort, a writer killed
 mid-publish) leaves it readable, and a new reader binds it. With two slots the writer therefore
-waits, under the caller's deadline, for a reader still bound to the older version to
-`refresh()` (the error names that reader if it does not); a writer whose readers may skip a
-version without refreshing (a reader that keeps serving an old version for long) can take a
-third slot (``slots=3``, one more model copy in memory) and never waits for a reader that is
-one version behind. Two is the default because node memory is what this strategy saves.
+waits for a reader still bound to the older version to `refresh()`, no longer than its
+``timeout_s`` and never past the caller's deadline (the error names that reader if it does
+not); a writer whose readers may skip a version without refreshing (a reader that keeps serving
+an old version for long) can take a third slot (``slots=3``, one more model copy in memory) and
+never waits for a reader that is one version behind. Two is the default because node memory is
+what this strategy saves.
 
 Integrity: with ``checksums=True`` the writer stores a CRC32 per bucket of each committed slot;
 a reader verifies a slot before it binds to it or copies it, so a byte corrupted in shared
@@ -25,8 +26,9 @@ memory is refused (`ChecksumMismatchError`) and nothing is applied.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -69,6 +71,12 @@ __all__ = ["SharedBuffer", "SharedBufferReader"]
 _log = logging.getLogger(__name__)
 
 
+def _lock_timeout(deadline: Deadline) -> float:
+    """`deadline`'s time left as a lock's timeout (-1: no limit)."""
+    left = deadline.remaining()
+    return -1 if left is None else left
+
+
 def _check_version_word(version: int) -> None:
     if not 0 <= version <= INT64_MAX:
         raise VersionError(f"version {version} does not fit a shared buffer's version word (0 .. 2**63 - 1)")
@@ -79,8 +87,10 @@ class SharedBuffer(BufferBase):
 
     ``SharedBuffer(layout, num_readers)`` creates the segment; hand `name` to the receivers on
     the node (`SharedBufferReader.attach`). `begin` waits for readers still bound to the slot it
-    needs under the deadline of the sync that calls it (a transport's, `publish`'s, or one
-    passed to `begin`), else ``timeout_s`` (default 60 s). ``checksums=True`` stores a CRC32
+    needs no longer than ``timeout_s`` (default 60 s) and never past the deadline of the sync
+    that calls it (a transport's, `feed`'s, `publish`'s, or one passed to `begin`); a begin
+    that finds another version of this buffer waiting there (another thread's sync) gives up at
+    its own deadline too, naming that version. ``checksums=True`` stores a CRC32
     per bucket of every committed version, which readers verify before using it. ``slots``:
     2 (default) or 3, see the module docstring. ``reclaim`` first unlinks this user's rlfleet
     segments whose creator is dead (`cleanup_stale_segments`): the node buffer a killed run
@@ -127,6 +137,7 @@ class SharedBuffer(BufferBase):
         self._writing: int | None = None
         self._sealed: int | None = None  # the pending version whose slot is ready to commit
         self._begin_deadline: Deadline | None = None
+        self._claiming: int | None = None  # the version whose begin holds the writer
         self._views: dict[int, list[torch.Tensor]] = {}
 
     @property
@@ -151,17 +162,34 @@ class SharedBuffer(BufferBase):
     def begin(self, version: int, deadline: Deadline | float | None = None) -> None:
         """Start writing `version` into a slot no reader needs.
 
-        Waits, if it must, for a reader to leave that slot, until `deadline`; without one, until
-        the deadline of the sync that called (`caller_deadline`), else ``timeout_s``.
+        Waits, if it must, for a reader to leave that slot (the error names it), no longer than
+        ``timeout_s`` and never past `deadline`; without one, the deadline of the sync that
+        called (`caller_deadline`).
         """
-        if deadline is not None:
-            self._begin_deadline = Deadline.coerce(deadline)
-        else:
-            self._begin_deadline = current_deadline() or deadline_or(self.timeout_s, DEFAULT_TIMEOUT_S)
+        given = Deadline.coerce(deadline) if deadline is not None else current_deadline()
+        own = deadline_or(self.timeout_s, DEFAULT_TIMEOUT_S)
+        wait = own if given is None else given.child(own.seconds)
+        with self._writer_held(version, wait):
+            self._begin_deadline, self._claiming = wait, version
+            try:
+                super().begin(version)
+            finally:
+                self._begin_deadline = self._claiming = None
+
+    @contextlib.contextmanager
+    def _writer_held(self, version: int, deadline: Deadline) -> Iterator[None]:
+        """The writer's lock, waited for no longer than `deadline` (another thread's sync of this
+        buffer may hold it, waiting for a reader): an error then names that sync's version."""
+        if not self._state_lock.acquire(timeout=_lock_timeout(deadline)):
+            holder = self._claiming if self._claiming is not None else self._pending
+            raise deadline.error(
+                f"shared buffer {self.name}: version {version} waited for another sync of this buffer "
+                f"(version {holder}, waiting for a reader to leave the slot it needs, or being written)"
+            )
         try:
-            super().begin(version)
+            yield
         finally:
-            self._begin_deadline = None
+            self._state_lock.release()
 
     def _begin(self, version: int) -> None:
         _check_version_word(version)
@@ -260,9 +288,9 @@ class SharedBuffer(BufferBase):
             return
         state_dict = source
         self._layout.check_state_dict(state_dict)
-        self.begin(version, deadline)
-        try:
-            with self._state_lock:
+        with self._writer_held(version, deadline):  # begin, copy and commit: no other sync between
+            self.begin(version, deadline)
+            try:
                 assert self._writing is not None
                 block = flat_block(self._layout, state_dict)
                 if block is not None and block.device.type == "cpu":  # one streaming block copy
@@ -273,10 +301,10 @@ class SharedBuffer(BufferBase):
                     sources = [state_dict[name].detach() for name in self._layout.names]
                     copy_tensors(targets, sources, threads)
                 self._received.update(range(len(self._layout.buckets)))
-            self.commit(version)
-        except BaseException as exc:
-            self.abort(exc)
-            raise
+                self.commit(version)
+            except BaseException as exc:
+                self.abort(exc)
+                raise
 
     def adopt(self, targets: Mapping[str, torch.Tensor] | torch.nn.Module) -> None:
         """Move the writer's tensors into one block laid out like a slot (`weightsync.adopt`); a

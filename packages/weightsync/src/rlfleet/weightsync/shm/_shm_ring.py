@@ -15,7 +15,8 @@ everything a reader needs to check and a writer needs to wait safely:
 Publication is "write the data, memory fence, write the sequence number"; waits poll with a
 short backoff (20 us growing to 1 ms) under a `Deadline`, and check the peer's liveness, so a
 dead peer becomes `PeerLostError` and a stuck one `SyncTimeoutError`, never a hang. `send` and
-`receive` default to a 60 s deadline (a receiver whose writer is alive but silent gives up).
+`receive` wait `DEFAULT_RING_TIMEOUT_S` (60 s) by default, None included (a receiver whose writer
+is alive but silent gives up); ``math.inf`` is no limit.
 The control words are a `ControlBlock` of shape `RING` (`_control_block`).
 """
 
@@ -40,7 +41,7 @@ from rlfleet.weightsync.protocol._stream import (
 )
 from rlfleet.weightsync.shm._control_block import INT64_MAX, ControlBlock, Every, require_int_in
 from rlfleet.weightsync.shm._ring_format import (
-    DEFAULT_TIMEOUT_S,
+    DEFAULT_RING_TIMEOUT_S,
     G_ABORT,
     G_CHECKSUMS,
     G_CLOSED,
@@ -194,11 +195,11 @@ class ShmRingSender:
         self,
         weights: Weights,
         version: int,
-        deadline: Deadline | float | None = None,
+        deadline: Deadline | float | None = DEFAULT_RING_TIMEOUT_S,
         wait_for_readers: bool = True,
     ) -> dict[int, str]:
         """Send `weights` as `version` to every attached reader, within `deadline` (seconds or a
-        `Deadline`; None: the default 60 s).
+        `Deadline`; None: `DEFAULT_RING_TIMEOUT_S` too; ``math.inf``: no limit).
 
         `weights` is a state dict or a `WeightStream` (pairs in the layout's order, each packed
         straight into its slot; drained after a failure). Returns each reader's outcome
@@ -206,7 +207,7 @@ class ShmRingSender:
         once everything is published (the next `send` waits for slots as needed). Any error
         aborts the session for every reader.
         """
-        deadline = deadline_or(deadline, DEFAULT_TIMEOUT_S)
+        deadline = deadline_or(deadline, DEFAULT_RING_TIMEOUT_S)
         source = open_source(weights, self.layout)
         with drain_on_error(source, deadline):
             if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= INT64_MAX:
