@@ -17,10 +17,12 @@ workers are vLLM's own Worker processes (`vllm_workers`), the model a tiny Qwen2
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "integ
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 from vllm_worker_extension import JoinOptions, VllmSync
 
-from rlfleet.weightsync import Layout, SharedBuffer, host_store
+from rlfleet.weightsync import Layout, LayoutMismatchError, SharedBuffer, host_store
 from rlfleet.weightsync.engines import VllmTrainerInitInfo, register_vllm_backend
 
 pytestmark = pytest.mark.vllm
@@ -106,6 +108,16 @@ def test_backend_four_phases_bit_exact_over_three_versions(tp1: vw.Ranks) -> Non
     sync.shutdown()
 
 
+@contextlib.contextmanager
+def broken_load(ranks: vw.Ranks) -> Iterator[None]:
+    """vLLM's own load_weights raises on every rank while inside (and is itself again after)."""
+    ranks.each("break_load", on=True)
+    try:
+        yield
+    finally:
+        ranks.each("break_load", on=False)
+
+
 def node_for(ranks: vw.Ranks, drop: str | None = None) -> tuple[SharedBuffer, Layout]:
     state = vw.checkpoint(ranks.model_dir, 0)
     layout = Layout([(n, tuple(t.shape), "float32") for n, t in state.items() if n != drop], 64 << 10)
@@ -162,8 +174,9 @@ def test_a_failed_update_or_finish_leaves_the_weights_untouched_and_names_the_ca
         tp1, "init_weight_transfer_engine", init_info={"layout_digest": layout.digest, "node_name": node.name}
     )
     publish(tp1, node, 1)
-    for method, kwargs in (("start_weight_update", {}), ("update_weights", {"update_info": {"version": 1}})):
-        tp1.each("rpc", method=method, kwargs=kwargs)
+    tp1.each("rpc", method="start_weight_update")
+    for _ in range(2):  # update_weights may come in chunks: the same version again is a no-op
+        tp1.each("rpc", method="update_weights", kwargs={"update_info": {"version": 1}})
     tp1.each("rpc", method="finish_weight_update")
     assert_serves(tp1, 1)
     (applied,) = tp1.each("digest")
@@ -202,14 +215,43 @@ def test_a_failed_update_or_finish_leaves_the_weights_untouched_and_names_the_ca
     publish(tp1, node, 5)
     tp1.each("rpc", method="start_weight_update")
     tp1.each("rpc", method="update_weights", kwargs={"update_info": {"version": 5}})
-    tp1.each("break_load", on=True)
-    assert "injected load_weights failure" in one_error(rpc(tp1, "finish_weight_update"))
-    assert tp1.each("status")[0]["active"]
-    tp1.each("break_load", on=False)
+    with broken_load(tp1):
+        assert "injected load_weights failure" in one_error(rpc(tp1, "finish_weight_update"))
+        assert tp1.each("status")[0]["active"]
     tp1.each("rpc", method="finish_weight_update")  # the retry applies version 5 again, whole
     assert_serves(tp1, 5)
     assert tp1.each("status")[0]["applied"] == 5
     node.close()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tp1", [CONFIGS[3]], indirect=True, ids=["tied-float32"])
+def test_a_tied_engine_takes_the_embedding_whatever_lm_head_the_trainer_sends(tp1: vw.Ranks) -> None:
+    """vLLM's layerwise reload loads a separate lm_head.weight into the tied storage (the last one
+    fed wins); plain load_weights ignores it. The loader map drops it: the plain semantics."""
+    (result,) = tp1.each("map_check", versions=[1, 2, 3], lm_head=True)
+    assert result["unused"] == ["lm_head.weight"]
+    assert result["exact_full"] == result["exact_slices"] == [True] * 3
+    assert result["recorders_agree"]
+    state = vw.checkpoint(tp1.model_dir, 0)
+    entries = [(n, tuple(t.shape), "float32") for n, t in state.items()] + [
+        ("lm_head.weight", (256, 64), "float32")
+    ]
+    layout = Layout(entries, 64 << 10)
+    with SharedBuffer(layout, num_readers=1, checksums=True) as node:
+        rpc(
+            tp1,
+            "init_weight_transfer_engine",
+            init_info={"layout_digest": layout.digest, "node_name": node.name},
+        )
+        for version in (1, 2):
+            weights = vw.checkpoint(tp1.model_dir, version)
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1
+            node.publish(weights, version, 30)
+            tp1.each("rpc", method="start_weight_update")
+            tp1.each("rpc", method="update_weights", kwargs={"update_info": {"version": version}})
+            tp1.each("rpc", method="finish_weight_update")
+            assert_serves(tp1, version)  # the embedding, not the lm_head sent last
 
 
 @pytest.mark.timeout(900)
@@ -220,16 +262,52 @@ def test_tensor_parallel_2_bit_exact_and_a_failing_rank_fails_every_rank(tp2: vw
         sync.send_weights()
         assert_serves(tp2, version)
     before = tp2.each("digest")
-    tp2.replies("fail_update", ranks=[1], on=True)
     vw.load_version(model, tp2.model_dir, 4)
     node: SharedBuffer = sync.node
     node.publish({n: p.detach() for n, p in model.named_parameters()}, 4, 30)
-    tp2.each("rpc", method="start_weight_update")
-    errors = rpc(tp2, "update_weights", update_info={"version": 4})
+    try:
+        tp2.replies("fail_update", ranks=[1], on=True)
+        tp2.each("rpc", method="start_weight_update")
+        errors = rpc(tp2, "update_weights", update_info={"version": 4})
+    finally:
+        tp2.replies("fail_update", ranks=[1], on=False)
     assert "failed on vLLM rank(s) [1]" in str(errors[0])
     assert "injected receive failure on rank 1" in str(errors[1])
     assert tp2.each("digest") == before
-    tp2.replies("fail_update", ranks=[1], on=False)
+    vw.load_version(model, tp2.model_dir, 5)
+    sync.send_weights(5)
+    assert_serves(tp2, 5)
+    sync.shutdown()
+
+
+@pytest.mark.timeout(900)
+def test_broadcast_transport_tensor_parallel_2_bit_exact_and_finish_retryable(tp2: vw.Ranks) -> None:
+    """The trainer on "another node": a gloo broadcast group with both ranks; staged, then applied."""
+    sync, model = trainer(tp2, transport="broadcast", finish_retries=0)
+    for version in (1, 2, 3):
+        vw.load_version(model, tp2.model_dir, version)
+        sync.send_weights()  # the workers receive (update_weights) while the trainer broadcasts
+        assert_serves(tp2, version)
+    # a transfer that fails on the wire: the trainer's stream breaks mid-version, every worker aborts
+    before = tp2.each("digest")
+    broken = [
+        (n, torch.zeros(3) if n == "model.norm.weight" else p.detach()) for n, p in model.named_parameters()
+    ]
+    sync.client.start_weight_update()
+    with ThreadPoolExecutor(1) as pool:  # both sides to the end: the workers' error, then the sender's
+        receiving = pool.submit(sync.client.update_weights, {"version": 4, "timeout_s": 60.0})
+        with pytest.raises(LayoutMismatchError, match=r"model\.norm\.weight"):
+            sync.sender.send(iter(broken), 4, 60.0)  # a stream: it fails where the wrong tensor comes
+        with pytest.raises(Exception, match="SyncAbortedError"):
+            receiving.result(timeout=120)
+    assert tp2.each("digest") == before
+    vw.load_version(model, tp2.model_dir, 4)
+    with broken_load(tp2):
+        with pytest.raises(Exception, match="injected load_weights failure"):
+            sync.send_weights()
+        assert all(s["active"] for s in tp2.each("status"))  # vLLM keeps the update open
+    tp2.each("rpc", method="finish_weight_update")  # the retry re-applies the kept staging copy
+    assert_serves(tp2, 4)
     vw.load_version(model, tp2.model_dir, 5)
     sync.send_weights(5)
     assert_serves(tp2, 5)
@@ -274,6 +352,34 @@ def test_worker_extension_with_arguments_encoded_as_vllm_encodes_them(tp2: vw.Ra
         vw.load_version(model, tp2.model_dir, version)
         session.push({f"module.{n}": p.detach() for n, p in model.named_parameters()}, version)
         assert_serves(tp2, version)
+
+
+@pytest.mark.timeout(900)
+def test_the_worker_extension_snippet_runs_against_vllm(tp2: vw.Ranks) -> None:
+    code = snippet(ROOT / "examples/integrations/README.md", "vllm-extension")
+    wrapped = torch.nn.Module()
+    wrapped.module = vw.trainer_model(
+        tp2.model_dir
+    )  # state_dict names: "module.model.embed_tokens.weight", ...
+    served: list[int] = []
+
+    def train_step(m: torch.nn.Module) -> None:
+        served.append(31 + len(served))
+        vw.load_version(m.module, tp2.model_dir, served[-1])
+
+    names = {
+        "llm": vw.RpcLLM(tp2),
+        "model": wrapped,
+        "trainer_ip": "127.0.0.1",
+        "tp": 2,
+        "dp": 1,
+        "wire": "gloo",
+        "steps": 2,
+        "train_step": train_step,
+    }
+    exec(compile(code, "examples/integrations/README.md", "exec"), names)
+    assert served == [31, 32]
+    assert_serves(tp2, 32)
 
 
 def snippet(path: Path, marker: str) -> str:

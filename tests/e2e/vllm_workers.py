@@ -26,6 +26,7 @@ import itertools
 import math
 import multiprocessing as mp
 import tempfile
+import threading
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -217,19 +218,27 @@ class Harness:
 
         reader.check_version = check_version
 
-    def op_map_check(self, versions: list[int]) -> dict[str, Any]:
+    def op_map_check(self, versions: list[int], lm_head: bool = False) -> dict[str, Any]:
         """The loader map at this rank: both recorders agree, and the engine's parameters come out
-        of the map bit-exactly, from the full tensors and from this rank's slices alone."""
+        of the map bit-exactly, from the full tensors and from this rank's slices alone. `lm_head`:
+        the trainer also sends an ``lm_head.weight`` of its own (ignored by a tied engine)."""
         from rlfleet.weightsync import record_loader_map
 
         model_dir = self.spec["model_dir"]
-        entries = [(n, tuple(t.shape), t.dtype) for n, t in checkpoint(model_dir, 0).items()]
+
+        def checkpoint_with_head(version: int) -> dict[str, torch.Tensor]:
+            state = checkpoint(model_dir, version)
+            if lm_head and "lm_head.weight" not in state:
+                state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1
+            return state
+
+        entries = [(n, tuple(t.shape), t.dtype) for n, t in checkpoint_with_head(0).items()]
         by_dispatch = record_loader_map(self.model.load_weights, self.model, entries)
         by_markers = record_loader_map(self.model.load_weights, self.model, entries, method="markers")
         needed = by_dispatch.needed()
         exact_full, exact_slices = [], []
         for version in versions:
-            full = checkpoint(model_dir, version)
+            full = checkpoint_with_head(version)
             poisoned = {n: torch.full_like(t, math.nan) for n, t in full.items()}
             for name, box in needed.items():
                 index = tuple(slice(a, b) for a, b in box)
@@ -296,6 +305,7 @@ class Ranks:
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         self._ids = itertools.count()
+        self._lock = threading.Lock()  # one call at a time: a caller's thread never reads another's replies
         for rank in range(tp):
             parent, child = ctx.Pipe()
             spec = {"rank": rank, "tp": tp, "model_dir": model_dir, "dtype": dtype, "port": port}
@@ -316,6 +326,14 @@ class Ranks:
     ) -> list[Any]:
         """Send `op` to every rank at once; each rank's value, or its `WorkerError`."""
         ranks = list(range(self.tp)) if ranks is None else ranks
+        if not self._lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"{op}: another call held the workers for {timeout_s}s")
+        try:
+            return self._replies(op, timeout_s, ranks, kwargs)
+        finally:
+            self._lock.release()
+
+    def _replies(self, op: str, timeout_s: float, ranks: list[int], kwargs: dict[str, Any]) -> list[Any]:
         call_id = next(self._ids)
         for rank in ranks:
             self.conns[rank].send((call_id, op, kwargs))
