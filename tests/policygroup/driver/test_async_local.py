@@ -154,7 +154,7 @@ def test_the_asyncio_rollout_waits_for_a_recent_worker_without_blocking_the_loop
             return request.result(), ticks
 
         out, ticks = asyncio.run(main())
-        assert ticks > 20  # the loop ran while the request waited
+        assert ticks >= 20  # the loop ran while the request waited (20 ticks before the sync began)
         assert out.versions() == [2, 2]
         assert all(isinstance(v, dict) for v in out.values())
     finally:
