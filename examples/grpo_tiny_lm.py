@@ -12,6 +12,13 @@ policies onto that version, zero-copy.
 
     hatch run grpo                 # until the mean reward reaches 0.9 (exit 0), or the budget ends (1)
     hatch run grpo --quick         # CI: a few iterations; checks the pipeline, not the reward
+    hatch run grpo --async         # trainer and rollouts at once, samples at most 1 version behind
+
+With ``--async`` the rollout policies generate the next batch while the trainers train on this
+one: each update is written into the node buffer (the snapshot the trainers wait for) and
+``sync_weights(block=False)`` swaps the rollout policies in the background; the router bounds
+staleness (``max_staleness=1``) and every sample carries the version that produced it, printed
+per batch as versions behind the trainer.
 
 Writes out/grpo/reward_curve.csv and out/grpo/reward_curve.png.
 """
@@ -62,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/grpo"))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--async",
+        dest="async_",
+        action="store_true",
+        help="train and generate at once (max_staleness=1): prints the versions behind per batch",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.iterations = min(args.iterations, 3)
@@ -88,11 +101,12 @@ def local_ray() -> Iterator[None]:
 def build_group(args: argparse.Namespace) -> Any:
     """Two FSDP2 trainers and the rollout policies, on one node, weights through a shared buffer."""
     config = PolicyConfig(
-        rollout_mode="sync",
+        rollout_mode="async" if args.async_ else "sync",
         router_type="least_load",
         weight_buffer=WeightBufferConfig(
             type="CPUWeightBuffer", buffer_strategy="Shared", bucket_bytes=1 << 20
         ),
+        max_staleness=1 if args.async_ else None,  # the router never serves older samples
     )
     train_config = TrainConfig(lr=args.lr, seed=args.seed, extra={"epochs": args.epochs, "clip": args.clip})
     group = build_policy_group(
@@ -130,10 +144,10 @@ def sync(group: Any, timeout_s: float = 120.0) -> float:
     return time.perf_counter() - start
 
 
-def rollout(
+def start_rollout(
     group: Any, args: argparse.Namespace, generator: torch.Generator, it: int
-) -> dict[str, torch.Tensor]:
-    """Prompts out through `rollout_batch`, answers back; every answer from the current version."""
+) -> tuple[torch.Tensor, BatchedData[Any]]:
+    """Prompts out through `rollout_batch` (Ray tasks: they run while the driver goes on)."""
     prompts = make_prompts(args.prompts, args.length, generator)
     chunks = prompts.chunk(args.requests)
     ids = [f"prompts-{i}" for i in range(args.requests)]
@@ -141,15 +155,30 @@ def rollout(
         {"prompts": c.numpy(), "group": args.group, "seed": args.seed * 1_000_003 + it * 97 + i}
         for i, c in enumerate(chunks)
     ]
-    out = ray.get(list(group.rollout_batch(BatchedData(ids, requests)).values()), timeout=120)
-    served = {int(o["version"]) for o in out}
-    if served != {group.weight_version}:
-        raise RuntimeError(
-            f"iteration {it}: rollouts used versions {served}, expected {group.weight_version}"
-        )
-    answers = torch.cat([torch.as_tensor(o["answers"]) for o in out])
+    return prompts, group.rollout_batch(BatchedData(ids, requests))
+
+
+def finish_rollout(
+    prompts: torch.Tensor, out: BatchedData[Any], args: argparse.Namespace
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The answers, scored, and the weight version that produced each request's answers."""
+    values = ray.get(list(out.values()), timeout=120)
+    versions = [int(v) for v in ray.get(list(out.versions()), timeout=120)]
+    answers = torch.cat([torch.as_tensor(o["answers"]) for o in values])
     repeated = prompts.repeat_interleave(args.group, 0)
-    return {"prompts": repeated, "answers": answers, "reward": rewards(repeated, answers)}
+    return {"prompts": repeated, "answers": answers, "reward": rewards(repeated, answers)}, versions
+
+
+def rollout(
+    group: Any, args: argparse.Namespace, generator: torch.Generator, it: int
+) -> dict[str, torch.Tensor]:
+    """Prompts out through `rollout_batch`, answers back; every answer from the current version."""
+    batch, versions = finish_rollout(*start_rollout(group, args, generator, it), args)
+    if set(versions) != {group.weight_version}:
+        raise RuntimeError(
+            f"iteration {it}: rollouts used versions {set(versions)}, expected {group.weight_version}"
+        )
+    return batch
 
 
 def shards(batch: dict[str, torch.Tensor], group: int, parts: int) -> list[dict[str, np.ndarray]]:
@@ -171,19 +200,40 @@ def verify(group: Any) -> None:
         raise RuntimeError(f"weights differ: trainers {trainer}, rollout policies {served}")
 
 
-def train_loop(group: Any, args: argparse.Namespace, history: list[dict[str, float]]) -> int | None:
+@contextmanager
+def progress(args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    generator = torch.Generator().manual_seed(args.seed)
     columns = [
         TextColumn("iter {task.completed:>3}/{task.total}"),
         BarColumn(),
         TextColumn("{task.description}"),
         TimeElapsedColumn(),
     ]
-    start = time.perf_counter()
     with Progress(*columns, disable=args.no_progress) as bar:
-        task = bar.add_task("", total=args.iterations)
+        yield bar, bar.add_task("", total=args.iterations)
+
+
+def record(
+    history: list[dict[str, float]], args: argparse.Namespace, batch: dict[str, torch.Tensor], **row: float
+) -> float:
+    """One iteration's row of the reward curve; the mean reward of the last `window` iterations."""
+    history.append(
+        {
+            "iteration": row.pop("iteration"),
+            "seconds": row.pop("seconds"),
+            "mean_reward": float(batch["reward"].mean()),
+            "exact": float((batch["reward"] == 1).float().mean()),
+            **row,
+        }
+    )
+    return float(np.mean([h["mean_reward"] for h in history[-args.window :]]))
+
+
+def train_loop(group: Any, args: argparse.Namespace, history: list[dict[str, float]]) -> int | None:
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    with progress(args) as (bar, task):
         for it in range(1, args.iterations + 1):
             t0 = time.perf_counter()
             batch = rollout(group, args, generator, it)
@@ -192,25 +242,14 @@ def train_loop(group: Any, args: argparse.Namespace, history: list[dict[str, flo
             stats = group.train()
             t2 = time.perf_counter()
             sync_s = sync(group)
-            reward = float(batch["reward"].mean())
-            history.append(
-                {
-                    "iteration": it,
-                    "seconds": time.perf_counter() - start,
-                    "mean_reward": reward,
-                    "exact": float((batch["reward"] == 1).float().mean()),
-                    "loss": stats["loss"],
-                    "rollout_s": t1 - t0,
-                    "train_s": t2 - t1,
-                    "sync_s": sync_s,
-                    "version": group.weight_version,
-                }
-            )
-            recent = float(np.mean([h["mean_reward"] for h in history[-args.window :]]))
+            recent = record(
+                history, args, batch, iteration=it, seconds=time.perf_counter() - start, loss=stats["loss"],
+                rollout_s=t1 - t0, train_s=t2 - t1, sync_s=sync_s, version=group.weight_version,
+            )  # fmt: skip
             bar.update(
                 task,
                 advance=1,
-                description=f"reward {reward:.3f} (last {args.window}: {recent:.3f}) "
+                description=f"reward {history[-1]['mean_reward']:.3f} (last {args.window}: {recent:.3f}) "
                 f"| sync {sync_s * 1e3:4.0f} ms | v{group.weight_version}",
             )
             if not args.quick and len(history) >= args.window and recent >= args.target:
@@ -218,6 +257,61 @@ def train_loop(group: Any, args: argparse.Namespace, history: list[dict[str, flo
             if time.perf_counter() - start > args.max_seconds:
                 return None
     return None
+
+
+def export(group: Any, timeout_s: float = 120.0) -> int:
+    """Every trainer gathers its new weights; the node buffer's writer packs them as the next
+    version: the snapshot, the one thing the trainers wait for."""
+    version = int(group.next_weight_version)
+    ray.get([t.export_weights.remote(version, timeout_s) for t in group.train_list], timeout=timeout_s)
+    return version
+
+
+def async_loop(group: Any, args: argparse.Namespace, history: list[dict[str, float]]) -> int | None:
+    """The rollout policies generate batch k+1 while the trainers train on batch k; each update is
+    swapped in by a background sync. A batch's samples come from the version before the one
+    the trainers are at, or that one (``max_staleness=1``): printed as versions behind."""
+    generator = torch.Generator().manual_seed(args.seed)
+    pending = start_rollout(group, args, generator, 1)
+    handle, trained, start, reached = None, group.weight_version, time.perf_counter(), None
+    with progress(args) as (bar, task):
+        for it in range(1, args.iterations + 1):
+            t0 = time.perf_counter()
+            batch, versions = finish_rollout(*pending, args)
+            behind = sorted({trained - v for v in versions})
+            if behind[-1] > 1:
+                raise RuntimeError(
+                    f"batch {it}: samples {behind[-1]} versions behind the trainers (bound: 1)"
+                )
+            if handle is not None:
+                handle.result()  # the last update is live: the next batch is at most one behind
+            t1 = time.perf_counter()
+            if it < args.iterations:
+                pending = start_rollout(group, args, generator, it + 1)  # generates during training
+            group.update_dataset(shards(batch, args.group, len(group.train_list)))
+            stats = group.train()
+            t2 = time.perf_counter()
+            trained = export(group)
+            handle = group.sync_weights(block=False)  # stage and swap in the background
+            t3 = time.perf_counter()
+            recent = record(
+                history, args, batch, iteration=it, seconds=time.perf_counter() - start, loss=stats["loss"],
+                rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, version=trained, behind=max(behind),
+            )  # fmt: skip
+            bar.console.print(  # one line per batch (<= 80 columns)
+                f"batch {it:>3}: reward {history[-1]['mean_reward']:.3f} (last {args.window}: "
+                f"{recent:.3f}) | versions behind {behind} | trained v{trained}",
+                highlight=False,
+            )
+            bar.update(task, advance=1, description=f"reward {recent:.3f} | v{trained}")
+            if not args.quick and len(history) >= args.window and recent >= args.target:
+                reached = it
+                break
+            if time.perf_counter() - start > args.max_seconds:
+                break
+    if handle is not None:
+        handle.result()  # the newest version everywhere (verified next)
+    return reached
 
 
 def save(out: Path, history: list[dict[str, float]], args: argparse.Namespace) -> list[Path]:
@@ -264,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             setup_s = time.perf_counter() - begin
             first_sync = sync(group)  # rollout policies start from the trainers' initial weights
             verify(group)
-            reached = train_loop(group, args, history)
+            reached = (async_loop if args.async_ else train_loop)(group, args, history)
             verify(group)  # after the last update: still bit-exact
             versions = group.weight_version
         finally:
