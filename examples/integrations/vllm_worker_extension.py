@@ -50,7 +50,7 @@ from rlfleet.weightsync import (
     plan_transforms,
     record_loader_map,
 )
-from rlfleet.weightsync.engines import reload_vllm_weights, run_together
+from rlfleet.weightsync.engines import UnmappableLoaderError, reload_vllm_weights, run_together
 
 GROUP_PREFIX = "rlfleet/vllm"
 
@@ -120,12 +120,17 @@ class RlfleetWorkerExtension:
         )
         model = self.model_runner.get_model()  # on a GPU, runner.model may be a CUDA-graph wrapper
         entries = plan_transforms(rename, ((s.name, s.shape, s.dtype) for s in layout.tensors))
-        loader_map = record_loader_map(model.load_weights, model, entries)
-        loader_map.require_covered()  # names the first parameter the trainer's layout cannot load
+        derived: list[WeightTransform] = []
+        try:
+            loader_map = record_loader_map(model.load_weights, model, entries)
+            loader_map.require_covered()  # names the first parameter the trainer's layout cannot load
+            derived = loader_map.transforms()
+        except UnmappableLoaderError:
+            pass  # a loader that computes what it writes (quantizing as it loads): no derived transforms
         self._rlfleet_consumer = LoadWeightsConsumer(
             layout,
             self._rlfleet_load if opts.reload else model.load_weights,
-            transforms=rename + loader_map.transforms(),
+            transforms=rename + derived,
             mode="staged",
         )
         member = 1 + self.rank

@@ -21,11 +21,12 @@ from rlfleet.weightsync import (
     LayoutMismatchError,
     LoaderMap,
     LoadWeightsConsumer,
+    MetadataError,
     SharedBuffer,
     SharedBufferReader,
     record_loader_map,
 )
-from rlfleet.weightsync.engines import Cast, Drop, MapAssemble
+from rlfleet.weightsync.engines import Cast, Drop, MapAssemble, UnmappableLoaderError
 
 H, Q, KV, INTER, VOCAB, PADDED = 8, 8, 4, 12, 10, 12
 SHAPES = {
@@ -210,7 +211,7 @@ def test_the_map_travels_as_json() -> None:
     assert again.fills == loader_map.fills
     assert dict(again.sources) == dict(loader_map.sources)
     assert dict(again.params) == dict(loader_map.params)
-    with pytest.raises(Exception, match=r"malformed|box"):
+    with pytest.raises(MetadataError, match=r"malformed|box"):
         LoaderMap.from_json('{"sources": [], "params": [], "pieces": [["a", [[0]], "b", []]], "fills": []}')
 
 
@@ -228,9 +229,9 @@ class Computing(nn.Module):
 
 def test_a_loader_that_computes_is_refused_by_both_recorders_naming_the_parameter() -> None:
     model = Computing()
-    with pytest.raises(ValueError, match=r"'w'.*computed.*markers"):
+    with pytest.raises(UnmappableLoaderError, match=r"'w'.*computed.*markers"):
         record_loader_map(model.load_weights, model, [("x", (4, 2), torch.float32)])
-    with pytest.raises(ValueError, match=r"'w'"):
+    with pytest.raises(UnmappableLoaderError, match=r"'w'"):
         record_loader_map(model.load_weights, model, [("x", (4, 2), torch.float32)], method="markers")
 
 
@@ -253,6 +254,13 @@ def test_uncovered_parameters_and_unknown_or_misshaped_tensors_are_named() -> No
         list(stage.finish())
     with pytest.raises(ValueError, match="method"):
         record_loader_map(model.load_weights, model, entries(), method="guess")  # type: ignore[arg-type]
+
+
+def test_what_load_weights_itself_raises_passes_through_the_dry_run() -> None:
+    model = Fused()
+    with pytest.raises(ValueError, match="no module or parameter named 'module.norm.weight'") as info:
+        record_loader_map(model.load_weights, model, [("module.norm.weight", (H,), torch.float32)])
+    assert not isinstance(info.value, UnmappableLoaderError)  # a layout error, not an unreadable loader
 
 
 def test_a_loader_writing_outside_the_model_is_named() -> None:

@@ -6,7 +6,13 @@ classes import vLLM and are built by vLLM's factories); SGLang's flattened-bucke
 """
 
 from rlfleet.weightsync.engines._load_weights import LoadWeights, LoadWeightsConsumer
-from rlfleet.weightsync.engines._loader_map import Fill, LoaderMap, MapAssemble, Piece
+from rlfleet.weightsync.engines._loader_map import (
+    Fill,
+    LoaderMap,
+    MapAssemble,
+    Piece,
+    UnmappableLoaderError,
+)
 from rlfleet.weightsync.engines._loader_record import record_loader_map
 from rlfleet.weightsync.engines._sglang import (
     FlattenedTensorMeta,
@@ -50,6 +56,7 @@ __all__ = [
     "Rename",
     "SglangBucketConsumer",
     "TransformChain",
+    "UnmappableLoaderError",
     "VllmInitInfo",
     "VllmTrainerInitInfo",
     "VllmUpdateInfo",

@@ -34,7 +34,7 @@ from rlfleet.weightsync._errors import LayoutMismatchError, MetadataError
 from rlfleet.weightsync.engines._transforms import Cast, Drop, WeightTransform
 from rlfleet.weightsync.layout._dtypes import dtype_from_name
 
-__all__ = ["Box", "Fill", "LoaderMap", "MapAssemble", "Piece"]
+__all__ = ["Box", "Fill", "LoaderMap", "MapAssemble", "Piece", "UnmappableLoaderError"]
 
 #: A dense box: one ``(start, stop)`` per dimension.
 Box = tuple[tuple[int, int], ...]
@@ -61,6 +61,11 @@ def _overlap(a: Box, b: Box) -> bool:
 
 def _hull(a: Box, b: Box) -> Box:
     return tuple((min(x0, y0), max(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+
+
+class UnmappableLoaderError(ValueError):
+    """The dry run saw the loader write what no copy map can say (a value it computes, a
+    transposed copy): there is no `LoaderMap` for this model (the model itself is untouched)."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlfleet.weightsync.engines._loader_map import Box, Fill, LoaderMap, Piece
+from rlfleet.weightsync.engines._loader_map import Box, Fill, LoaderMap, Piece, UnmappableLoaderError
 from rlfleet.weightsync.layout._dtypes import dtype_from_name, dtype_name
 
 __all__ = ["record_loader_map"]
@@ -200,7 +200,7 @@ def _record_dispatch(load_weights: Callable[[Any], Any], model: Any, entries: li
     with torch.no_grad(), recorder:
         load_weights(feeds)
     if recorder.refused:
-        raise ValueError(
+        raise UnmappableLoaderError(
             f"record_loader_map: {len(recorder.refused)} write(s) cannot be read as copies "
             f"(first: {recorder.refused[0]}); record with method='markers'"
         )
@@ -246,6 +246,7 @@ def _param_pieces(
         order_ok = (
             pbox is not None
             and cbox is not None
+            and [b - a for a, b in pbox] == [b - a for a, b in cbox]
             and torch.equal(
                 ids[tuple(slice(a, b) for a, b in pbox)].reshape(-1),
                 torch.arange(math.prod(shape)).view(shape)[tuple(slice(a, b) for a, b in cbox)].reshape(-1)
@@ -302,7 +303,7 @@ def _check_replay(
     loader_map.apply(feeds, mine)
     for name, values in seen.items():
         if not torch.equal(torch.nan_to_num(values, nan=0.5), torch.nan_to_num(mine[name], nan=0.5)):
-            raise ValueError(
+            raise UnmappableLoaderError(
                 f"record_loader_map: {name!r} gets values the recorded copies do not reproduce "
                 "(the loader computes them): no loader map for this model"
             )
@@ -330,7 +331,7 @@ def _record_markers(load_weights: Callable[[Any], Any], model: Any, entries: lis
         fills += constants
         refused += bad + bad_fills
     if refused:
-        raise ValueError(f"record_loader_map: {refused[0]} ({len(refused)} problem(s) in all)")
+        raise UnmappableLoaderError(f"record_loader_map: {refused[0]} ({len(refused)} problem(s) in all)")
     loader_map = _as_map(entries, params, pieces, fills)
     _check_replay(load_weights, params, loader_map)
     return loader_map
@@ -347,7 +348,8 @@ def record_loader_map(
     where each lands in `model` (a module, or its ``name -> parameter`` dict); see the module doc.
 
     The model keeps its values ("dispatch" never writes it; "markers" puts the originals back).
-    Raises ValueError naming a write neither recorder can read as a copy.
+    Raises `UnmappableLoaderError` (a ValueError) naming a write the recorder cannot read as a
+    copy; what ``load_weights`` itself raises (an unknown name, a wrong shape) passes through.
     """
     if method not in ("dispatch", "markers"):
         raise ValueError(f"record_loader_map: method must be 'dispatch' or 'markers', got {method!r}")

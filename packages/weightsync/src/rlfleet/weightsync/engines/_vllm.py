@@ -7,7 +7,8 @@ here each keeps vLLM's weights untouched until every rank holds a verified versi
   dry-run the model's own ``load_weights`` on the trainer's layout (`record_loader_map`): a
   layout the loader cannot fully load (a parameter nothing writes) fails here, and the map
   gives the transforms (drop what the loader ignores, such as a tied ``lm_head.weight``; cast
-  to the dtype each tensor lands in).
+  to the dtype each tensor lands in). A loader no copy map describes (one that computes what it
+  writes) is applied without them, with a warning.
 - start: nothing (the model keeps serving).
 - update: node buffer: wait for the version and verify it (CRC32s, under a pin), no copy;
   broadcast: receive it into a staging copy under the transport's two-phase commit. Then
@@ -39,7 +40,7 @@ from rlfleet.weightsync.dist._dist import BroadcastReceiver
 from rlfleet.weightsync.dist._member import MemberGroup
 from rlfleet.weightsync.dist._rendezvous import connect_store
 from rlfleet.weightsync.engines._load_weights import LoadWeightsConsumer
-from rlfleet.weightsync.engines._loader_map import LoaderMap
+from rlfleet.weightsync.engines._loader_map import LoaderMap, UnmappableLoaderError
 from rlfleet.weightsync.engines._loader_record import record_loader_map
 from rlfleet.weightsync.engines._transforms import Rename, WeightTransform, plan_transforms
 from rlfleet.weightsync.engines._vllm_plugin import (
@@ -139,8 +140,13 @@ class VllmWeightTransferEngine(WeightTransferEngine[VllmInitInfo, VllmUpdateInfo
         rename: list[WeightTransform] = [] if prefix is None else [Rename.prefix(*prefix)]
         entries = plan_transforms(rename, ((s.name, s.shape, s.dtype) for s in layout.tensors))
         loader: Any = self.model
-        with set_current_vllm_config(self.vllm_config):
-            loader_map = record_loader_map(loader.load_weights, self.model, entries)
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                loader_map = record_loader_map(loader.load_weights, self.model, entries)
+        except UnmappableLoaderError as exc:  # e.g. a loader that quantizes as it loads
+            _log.warning("rlfleet: no loader map for this model (%s): the layout is not checked at init", exc)
+            self.loader_map, self._transforms = None, rename
+            return
         loader_map.require_covered()
         ignored = loader_map.unused()
         if ignored:
