@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.utils.dlpack import from_dlpack
@@ -28,6 +29,7 @@ from torch.utils.dlpack import from_dlpack
 from rlfleet.weightsync._errors import MetadataError
 from rlfleet.weightsync.cuda._cupy import import_cupy
 from rlfleet.weightsync.cuda._ipc_control import NUM_SLOTS
+from rlfleet.weightsync.layout._lent import lend
 from rlfleet.weightsync.shm._shm import SharedSegment, memory_fence, page_align
 
 __all__ = ["CudaOpened", "CudaSlots", "HostOpened", "HostSlots"]
@@ -91,12 +93,14 @@ class CudaOpened:
         self._index = index
         self.device = torch.device("cuda", index)
         self._ptrs: list[int] = []
+        self._lent: list[Callable[[], None]] = []
         self.tensors: list[torch.Tensor] = []
         with cp.cuda.Device(index):
             try:
                 for handle in handles:
                     ptr = cp.cuda.runtime.ipcOpenMemHandle(base64.b64decode(handle))
                     self._ptrs.append(ptr)
+                    self._lent.append(lend(ptr, nbytes, "a CUDA IPC slot of another process", "cuda"))
                     mem = cp.cuda.UnownedMemory(ptr, nbytes, None, index)
                     arr = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
                     self.tensors.append(from_dlpack(arr))
@@ -112,6 +116,9 @@ class CudaOpened:
 
     def close(self) -> None:
         self.tensors = []
+        for release in self._lent:
+            release()
+        self._lent = []
         ptrs, self._ptrs = self._ptrs, []  # each mapping is closed once, even if a close fails
         if not ptrs:
             return

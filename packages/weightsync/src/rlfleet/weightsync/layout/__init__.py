@@ -7,6 +7,7 @@ from rlfleet.weightsync.layout._copy import copy_tensors, default_copy_threads
 from rlfleet.weightsync.layout._dtypes import DTYPES, dtype_from_name, dtype_name
 from rlfleet.weightsync.layout._integrity import bucket_checksum, checksum, compare_fingerprints, fingerprint
 from rlfleet.weightsync.layout._layout import ALIGNMENT, DEFAULT_BUCKET_BYTES, BucketSpec, Layout, TensorSpec
+from rlfleet.weightsync.layout._lent import lend, lent
 from rlfleet.weightsync.layout._packing import (
     bucket_starts,
     bucket_views,
@@ -37,6 +38,8 @@ __all__ = [
     "fingerprint",
     "flat_block",
     "flat_views",
+    "lend",
+    "lent",
     "live_tensors",
     "pack_all",
     "pack_bucket",

@@ -43,6 +43,7 @@ import torch
 
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import UnsafeSegmentError, WeightSyncError
+from rlfleet.weightsync.layout._lent import lend
 from rlfleet.weightsync.shm._termination import add_cleanup, install_termination_cleanup
 
 __all__ = [
@@ -191,6 +192,7 @@ class SharedSegment:
         self.readonly = readonly
         self._fd: int | None = fd
         self._maps: list[mmap.mmap] = []
+        self._lent: dict[int, weakref.finalize[[], mmap.mmap]] = {}  # read-only mappings, by id
         self._views: list[memoryview] = []
         self._whole: memoryview | None = None
         self._unlinked = False
@@ -277,6 +279,12 @@ class SharedSegment:
             )
         prot = mmap.PROT_READ if ro else mmap.PROT_READ | mmap.PROT_WRITE
         mapping = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=prot, offset=offset)
+        if ro:  # lent memory while it is mapped: a consumer copies it before code that may write it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+            what = f"a read-only mapping of shared-memory segment {self.name!r}"
+            self._lent[id(mapping)] = weakref.finalize(mapping, lend(start, nbytes, what))
         view = memoryview(mapping)
         self._maps.append(mapping)
         self._views.append(view)
@@ -323,6 +331,9 @@ class SharedSegment:
         for mapping in self._maps:
             with contextlib.suppress(BufferError):  # tensors still point into it: GC unmaps later
                 mapping.close()
+                lent = self._lent.pop(id(mapping), None)
+                if lent is not None:
+                    lent()  # unmapped: no longer lent (else when the mapping is collected)
         self._views.clear()
         self._maps.clear()
         if self._fd is not None:
