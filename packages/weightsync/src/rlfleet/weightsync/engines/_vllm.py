@@ -10,7 +10,8 @@ here each keeps vLLM's weights untouched until every rank holds a verified versi
   to the dtype each tensor lands in). A loader no copy map describes (one that computes what it
   writes) is applied without them, with a warning.
 - start: nothing (the model keeps serving).
-- update: node buffer: wait for the version and verify it (CRC32s, under a pin), no copy;
+- update: node buffer: wait for the version and verify it (CRC32s, under a pin), no copy (at
+  finish the tensors stream from the pinned slot into vLLM's reload, each copied once on its way);
   broadcast: receive it into a staging copy under the transport's two-phase commit. Then
   every rank votes over vLLM's world CPU group: all staged it, or every rank raises, naming the
   failed ranks, and nothing is applied. Calling it again for the same version (chunks) is a no-op.
@@ -50,6 +51,7 @@ from rlfleet.weightsync.engines._vllm_plugin import (
     reload_vllm_weights,
 )
 from rlfleet.weightsync.layout._layout import Layout
+from rlfleet.weightsync.layout._lent import lent
 from rlfleet.weightsync.shm._shared_reader import SharedBufferReader
 
 __all__ = ["VllmWeightTransferEngine"]
@@ -244,10 +246,16 @@ class VllmWeightTransferEngine(WeightTransferEngine[VllmInitInfo, VllmUpdateInfo
 
                 initialize_layerwise_reload(self.model)
                 started = True
+            # vLLM's layerwise reload keeps what it is handed until a layer is complete, across
+            # calls: a tensor still in the node buffer's read-only mapping gets a copy of its own
+            # (never a reused bucket buffer, which the next bucket would overwrite)
+            owned = [(name, t.clone() if lent(t) is not None else t) for name, t in weights]
             loader: Any = self.model
-            return loader.load_weights(weights)
+            return loader.load_weights(owned)
 
-        consumer = LoadWeightsConsumer(reader.layout, load, transforms=self._transforms, mode="stream")
+        consumer = LoadWeightsConsumer(
+            reader.layout, load, transforms=self._transforms, mode="stream", writes_inputs=False
+        )
         try:
             reader.copy_version(version, consumer, deadline)
         finally:
