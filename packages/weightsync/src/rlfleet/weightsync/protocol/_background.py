@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, TypeVar
 
@@ -44,6 +45,8 @@ _log = logging.getLogger(__name__)
 #: Added to a handle's own deadline when a caller waits on it without a timeout: the background
 #: thread, bound by that deadline, resolves the handle first (with its timeout error if need be).
 WAIT_MARGIN_S = 5.0
+#: A pipeline's snapshot and send threads leave after this long without work (and come back).
+IDLE_S = 30.0
 
 
 class PublishHandle(Generic[T]):
@@ -136,36 +139,43 @@ class PublishHandle(Generic[T]):
 
 
 class _Entry(Generic[T]):
-    __slots__ = ("absorbed", "handle", "send", "slot", "snapshot_over")
+    __slots__ = ("absorbed", "eager", "handle", "send", "slot", "snapshot_over", "started")
 
-    def __init__(self, handle: PublishHandle[T], slot: int, send: Callable[[int], T]) -> None:
-        self.handle, self.slot, self.send = handle, slot, send
+    def __init__(self, handle: PublishHandle[T], slot: int, send: Callable[[int], T], eager: bool) -> None:
+        self.handle, self.slot, self.send, self.eager = handle, slot, send, eager
         self.absorbed: list[PublishHandle[T]] = []  # older handles this one replaced
+        self.started = False  # its `start` ran: the snapshot was asked for
         self.snapshot_over = False
+
+    @property
+    def sendable(self) -> bool:
+        return self.started and (self.snapshot_over or self.eager)
 
 
 class SendPipeline(Generic[T]):
     """Snapshots in order, one send at a time, the newest waiting snapshot sent next.
 
     ``submit(version, deadline, snapshot, send)``: ``snapshot(slot)`` copies the weights into
-    snapshot slot 0 or 1 (never the slot a running send reads) on a thread of its own;
-    ``send(slot)`` sends that slot once the previous send finished. `what` names the sender.
+    snapshot slot 0 or 1 (never the slot a running send reads, when coalescing) on a thread of
+    its own; ``send(slot)`` sends that slot once the previous send finished. `what` names the
+    sender.
     """
 
     def __init__(self, what: str) -> None:
         self.what = what
         self._cond = threading.Condition()
-        self._pending: _Entry[T] | None = None
+        self._pending: deque[_Entry[T]] = deque()  # one entry when coalescing (the newest)
         self._running: _Entry[T] | None = None
-        self._sender: threading.Thread | None = None
-        self._tickets = 0  # snapshots asked for
-        self._turn = 0  # the snapshot whose turn it is
+        #: snapshots to take, in the order asked (one thread takes them: a slot has one writer)
+        self._snapshots: deque[tuple[_Entry[T], Callable[[int], None], BaseException | None]] = deque()
+        self._taking = 0  # snapshots queued or being taken
+        self._threads: dict[str, threading.Thread] = {}  # "snapshot", "send": started at first use
         self._failed: PublishHandle[T] | None = None  # the last failure, until someone sees it
 
     @property
     def busy(self) -> bool:
         with self._cond:
-            return self._pending is not None or self._running is not None or self._turn < self._tickets
+            return self._busy()
 
     def raise_failed(self) -> None:
         """Raise the last background failure that no caller collected (once)."""
@@ -181,7 +191,7 @@ class SendPipeline(Generic[T]):
             deadline.wait(self._cond, f"{self.what}: waiting for background sends", lambda: not self._busy())
 
     def _busy(self) -> bool:
-        return self._pending is not None or self._running is not None or self._turn < self._tickets
+        return bool(self._pending) or self._running is not None or self._taking > 0
 
     def submit(
         self,
@@ -190,6 +200,8 @@ class SendPipeline(Generic[T]):
         snapshot: Callable[[int], None],
         send: Callable[[int], T],
         start: Callable[[int], None] | None = None,
+        eager: bool = False,
+        coalesce: bool = True,
     ) -> PublishHandle[T]:
         """Take a snapshot of `version` now and send it after the running send (unless a newer
         one comes first); raises an earlier failure nobody collected instead.
@@ -197,20 +209,22 @@ class SendPipeline(Generic[T]):
         ``start(slot)``, when given, runs before this returns (a snapshot whose beginning the
         caller must be sure of: another process told to take it); ``snapshot(slot)`` then
         finishes it on the snapshot thread. An error in `start` is raised here, and the
-        version is not sent.
+        version is not sent. ``eager``: the send may begin before the snapshot is over (its
+        reader waits for the snapshot itself: another process's, told in `start`).
+        ``coalesce=False``: every version is sent, in order (a snapshot that is itself the
+        commit, as a node buffer's publish, skips nothing).
         """
         self.raise_failed()
         handle: PublishHandle[T] = PublishHandle(version, self.what, deadline)
         with self._cond:
             slot = 1 - self._running.slot if self._running is not None else 0
-            entry = _Entry(handle, slot, send)
-            if self._pending is not None:  # never sent: the newer version goes instead
-                entry.absorbed = [*self._pending.absorbed, self._pending.handle]
-            self._pending = entry
-            ticket, self._tickets = self._tickets, self._tickets + 1
-            if self._sender is None:
-                self._sender = threading.Thread(target=self._send_loop, name=f"{self.what}-send", daemon=True)
-                self._sender.start()
+            entry = _Entry(handle, slot, send, eager)
+            if coalesce:  # those waiting are never sent: the newer version goes instead
+                for older in self._pending:
+                    entry.absorbed += [*older.absorbed, older.handle]
+                self._pending.clear()
+            self._pending.append(entry)
+            self._taking += 1
         began: BaseException | None = None
         if start is not None:
             try:
@@ -218,40 +232,50 @@ class SendPipeline(Generic[T]):
             except BaseException as exc:
                 began = exc
                 handle.collected = True  # raised to the caller below: seen
-        name = f"{self.what}-snapshot-v{version}"
-        args = (entry, ticket, snapshot, began)
-        threading.Thread(target=self._snapshot, args=args, name=name, daemon=True).start()
+        with self._cond:
+            entry.started = True
+            self._snapshots.append((entry, snapshot, began))
+            for role, loop in (("snapshot", self._snapshot_loop), ("send", self._send_loop)):
+                if role not in self._threads:  # the threads stay while busy, leave when idle
+                    thread = threading.Thread(target=loop, name=f"{self.what}-{role}", daemon=True)
+                    self._threads[role] = thread
+                    thread.start()
+            self._cond.notify_all()
         if began is not None:
             raise began
         return handle
 
-    def _snapshot(
-        self, entry: _Entry[T], ticket: int, snapshot: Callable[[int], None], began: BaseException | None
-    ) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._turn == ticket)  # in order: a slot is written by one
-        error = began
-        if error is None:
-            try:
-                snapshot(entry.slot)
-            except BaseException as exc:
-                error = exc
-        entry.handle._snapshot_ended(error)
-        with self._cond:
-            entry.snapshot_over = True
-            self._turn += 1
-            self._cond.notify_all()
+    def _idle(self, role: str, ready: Callable[[], bool]) -> bool:
+        """Wait (lock held) until `ready`; True when the thread should leave (idle for long)."""
+        if self._cond.wait_for(ready, IDLE_S):
+            return False
+        del self._threads[role]
+        return True
+
+    def _snapshot_loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._idle("snapshot", lambda: bool(self._snapshots)):
+                    return
+                entry, snapshot, began = self._snapshots.popleft()
+            error = began
+            if error is None:
+                try:
+                    snapshot(entry.slot)
+                except BaseException as exc:
+                    error = exc
+            entry.handle._snapshot_ended(error)
+            with self._cond:
+                entry.snapshot_over = True
+                self._taking -= 1
+                self._cond.notify_all()
 
     def _send_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is None or self._pending.snapshot_over)
-                entry = self._pending
-                if entry is None:
-                    self._sender = None
-                    self._cond.notify_all()
+                if self._idle("send", lambda: bool(self._pending) and self._pending[0].sendable):
                     return
-                self._pending, self._running = None, entry
+                entry = self._running = self._pending.popleft()
             self._run(entry)
             with self._cond:
                 self._running = None
@@ -260,7 +284,7 @@ class SendPipeline(Generic[T]):
     def _run(self, entry: _Entry[T]) -> None:
         handle = entry.handle
         value: T | None = None
-        error = handle._snapshot_error
+        error = None if entry.eager else handle._snapshot_error
         if error is None:
             try:
                 value = entry.send(entry.slot)
@@ -332,7 +356,7 @@ class WeightSnapshot:
         buckets: Sequence[int] | None,
         names: tuple[str, ...],
     ) -> None:
-        self.layout.check_state_dict(state_dict, buckets=buckets)
+        self.layout.check_state_dict(state_dict, buckets=buckets, sending=True)
         if not names:
             return
         sources = [state_dict[n].detach() for n in names]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from rlfleet.weightsync.layout._copy import copy_tensors
 from rlfleet.weightsync.layout._integrity import bucket_checksum
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.layout._packing import flat_views
+from rlfleet.weightsync.protocol._background import PublishHandle, SendPipeline
 from rlfleet.weightsync.protocol._feed import feed
 from rlfleet.weightsync.protocol._stream import StreamCursor, Weights, drain_on_error, open_source
 from rlfleet.weightsync.shm._control_block import INT64_MAX, require_int_in
@@ -96,6 +98,8 @@ class SharedBuffer(BufferBase):
     segments whose creator is dead (`cleanup_stale_segments`): the node buffer a killed run
     left behind is reclaimed by the next run's writer.
     """
+
+    _background: SendPipeline[int] | None = None  # non-blocking publishes, at first use
 
     def __init__(
         self,
@@ -266,21 +270,70 @@ class SharedBuffer(BufferBase):
             self._writing = self._sealed = None
 
     # -- direct path ------------------------------------------------------------------------
+    @overload
+    def publish(
+        self,
+        weights: Weights,
+        version: int,
+        deadline: Deadline | float | None = ...,
+        threads: int | None = ...,
+        *,
+        wait: Literal[True] = ...,
+    ) -> None: ...
+    @overload
+    def publish(
+        self,
+        weights: Weights,
+        version: int,
+        deadline: Deadline | float | None = ...,
+        threads: int | None = ...,
+        *,
+        wait: Literal[False],
+    ) -> PublishHandle[int]: ...
     def publish(
         self,
         weights: Weights,
         version: int,
         deadline: Deadline | float | None = None,
         threads: int | None = None,
-    ) -> None:
+        *,
+        wait: bool = True,
+    ) -> PublishHandle[int] | None:
         """Pack `weights` straight into a free slot and commit it as `version` (one copy).
 
         `weights` is a state dict or a `WeightStream` (pairs in the layout's order, each copied
         into the slot as it comes: `feed`; drained after a failure). `deadline` (default
         ``timeout_s``) bounds the wait for a free slot. A state dict's copy is shared among
         `threads` threads (default: this process's CPUs, at most 8).
+
+        ``wait=False`` (async RL): the copy runs on a background thread and a `PublishHandle`
+        comes back at once; the copy into the free slot is the snapshot, so ``snapshot_done()``
+        (the fence before the trainer's next optimizer step) returns once it is committed, and
+        ``result()`` gives `version`. A failure nobody collected is raised by the next publish.
         """
         deadline = deadline_or(deadline if deadline is not None else self.timeout_s, DEFAULT_TIMEOUT_S)
+        if not wait:
+            try:
+                _check_version_word(version)
+            except VersionError:  # refused before anything starts; a stream is drained
+                with drain_on_error(open_source(weights, self._layout), deadline):
+                    raise
+            if self._background is None:
+                self._background = SendPipeline(f"shared buffer {self.name}")
+            return self._background.submit(  # every version committed in order: none skipped
+                version,
+                deadline,
+                lambda _: self._publish_now(weights, version, deadline, threads),
+                lambda _: version,
+                coalesce=False,
+            )
+        if self._background is not None:  # after background publishes: their failure, then in order
+            self._background.raise_failed()
+            self._background.drain(deadline)
+        self._publish_now(weights, version, deadline, threads)
+        return None
+
+    def _publish_now(self, weights: Weights, version: int, deadline: Deadline, threads: int | None) -> None:
         source = open_source(weights, self._layout)
         if isinstance(source, StreamCursor):
             with drain_on_error(source, deadline):
