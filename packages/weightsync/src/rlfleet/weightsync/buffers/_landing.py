@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
+from rlfleet.weightsync.codec._delta_state import pack_base
 from rlfleet.weightsync.layout._copy import copy_pairs
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.layout._packing import bucket_views
@@ -81,6 +82,15 @@ class LandingMixin:
 
     def _on_land(self) -> None:
         pass
+
+    def copy_base(self, index: int, out: torch.Tensor) -> bool:
+        """Bucket `index` of the applied version (the live tensors) into `out`, padding zeroed:
+        the base a delta is rebuilt on (`codec.DeltaBase`), in the place the full bucket lands."""
+        live: Mapping[str, torch.Tensor] | None = getattr(self, "live", None)
+        if live is None:
+            return False
+        with self._state_lock:
+            return pack_base(self._layout, index, live, out)
 
     def bucket_target(self, index: int) -> torch.Tensor | None:
         """Bucket `index`'s region of the pending flat staging buffer, if there is one."""

@@ -16,6 +16,7 @@ import torch
 
 from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline
 from rlfleet.weightsync.buffers._buffers import BufferBase
+from rlfleet.weightsync.codec._delta_state import pack_base
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.layout._packing import flat_views
 
@@ -96,6 +97,10 @@ class RecordingConsumer(BufferBase):
     def methods(self) -> list[str]:
         """The names of the calls so far, in order (``["begin", "consume", ...]``)."""
         return [name for name, _ in self.calls]
+
+    def copy_base(self, index: int, out: torch.Tensor) -> bool:
+        """Bucket `index` of the applied version, `weights`, into `out` (a delta's base)."""
+        return pack_base(self._layout, index, self.weights, out)
 
     # -- landing zones -----------------------------------------------------------------------
     def bucket_target(self, index: int) -> torch.Tensor | None:

@@ -179,7 +179,7 @@ class CudaIpcSender:
         if isinstance(version, bool) or not isinstance(version, int) or not -(1 << 63) <= version < 1 << 63:
             raise ValueError(f"version must be an int64, got {version!r}")
         if not isinstance(source, StreamCursor):  # a stream is checked as it is read
-            self.layout.check_state_dict(source)
+            self.layout.check_state_dict(source, sending=True)
         self.wait_attached(deadline)
         self._check_readers("starting a version", force=True)
         session = self._session + 1

@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import PeerLostError, SyncTimeoutError, WeightSyncError
-from rlfleet.weightsync.protocol._frames import DEFAULT_DIRECT_MIN_BYTES
-from rlfleet.weightsync.layout._layout import Layout
+from rlfleet.weightsync.codec._delta import DEFAULT_MAX_FRACTION
 from rlfleet.weightsync.dist._member import MemberGroup
+from rlfleet.weightsync.layout._layout import Layout
+from rlfleet.weightsync.protocol._frames import DEFAULT_DIRECT_MIN_BYTES
 from rlfleet.weightsync.protocol._wire_receiver import ProtocolReceiver
 from rlfleet.weightsync.protocol._wire_sender import ProtocolSender
 
@@ -223,6 +224,9 @@ class BroadcastSender(ProtocolSender):
     in its own group, assembled on the receivers by `Assembly`). The deadline defaults to
     `DEFAULT_SYNC_TIMEOUT_S`. Extra memory: at most two bucket buffers (large tensors travel
     straight from their own storage).
+
+    ``delta="auto"`` sends a version as its difference from the last one every receiver
+    committed (`codec`): one more model copy on the host, in the wire dtype.
     """
 
     def __init__(
@@ -233,8 +237,18 @@ class BroadcastSender(ProtocolSender):
         device: str | torch.device | None = None,
         checksums: bool = False,
         direct_min: int = DEFAULT_DIRECT_MIN_BYTES,
+        *,
+        delta: str = "off",
+        delta_max_fraction: float = DEFAULT_MAX_FRACTION,
     ) -> None:
-        super().__init__(layout, _wire_for(group, src_rank, device), checksums, direct_min)
+        super().__init__(
+            layout,
+            _wire_for(group, src_rank, device),
+            checksums,
+            direct_min,
+            delta=delta,
+            delta_max_fraction=delta_max_fraction,
+        )
 
 
 class BroadcastReceiver(ProtocolReceiver):

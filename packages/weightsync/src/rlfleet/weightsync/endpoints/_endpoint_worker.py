@@ -21,7 +21,7 @@ from rlfleet.weightsync.buffers._buffers import ServingLock
 from rlfleet.weightsync.endpoints._endpoints import DEFAULT_TIMEOUT_S, WeightEndpoint, create_endpoint
 from rlfleet.weightsync.endpoints._ipc_worker import IpcChannelReader, IpcChannelWriter, cuda_device_of
 from rlfleet.weightsync.endpoints._strategy import check_strategy
-from rlfleet.weightsync.layout._layout import DEFAULT_BUCKET_BYTES, Layout
+from rlfleet.weightsync.layout._layout import DEFAULT_BUCKET_BYTES, Layout, WireDtype
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
 from rlfleet.weightsync.shm._shared_buffer import SharedBuffer
 from rlfleet.weightsync.shm._shm import cleanup_stale_segments
@@ -54,6 +54,7 @@ class WorkerWeights:
         self.endpoint: WeightEndpoint | None = None
         self.node_writer: SharedBuffer | None = None
         self.sender_layout: Layout | None = None
+        self._wire: WireDtype = None  # the wire dtype `sender_layout` casts to
         self.send_lock = threading.Lock()  # concurrent sends of one version lay out and pack once
         self._version = 0
         self._shm_prefix: str | None = None  # name prefix of the group's node buffers (cleanup)
@@ -142,12 +143,14 @@ class WorkerWeights:
         return removed
 
     # -- sending ------------------------------------------------------------------------
-    def layout_for(self, module: torch.nn.Module, bucket_bytes: int) -> Layout:
-        """The layout this worker sends with (computed once per bucket size)."""
+    def layout_for(self, module: torch.nn.Module, bucket_bytes: int, wire_dtype: WireDtype = None) -> Layout:
+        """The layout this worker sends with (computed once per bucket size and wire dtype)."""
         with self.send_lock:
-            if self.sender_layout is None or self.sender_layout.bucket_bytes != bucket_bytes:
-                self.sender_layout = Layout.from_state_dict(module.state_dict(), bucket_bytes)
-            return self.sender_layout
+            layout = self.sender_layout
+            if layout is None or layout.bucket_bytes != bucket_bytes or self._wire != wire_dtype:
+                layout = Layout.from_state_dict(module.state_dict(), bucket_bytes, wire_dtype=wire_dtype)
+                self.sender_layout, self._wire = layout, wire_dtype
+            return layout
 
     def create_writer(self, layout: Mapping[str, Any], num_readers: int, prefix: str, checksums: bool) -> str:
         """Become the writer of this node's buffer (two slots); its name, for the readers.

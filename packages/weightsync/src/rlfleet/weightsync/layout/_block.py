@@ -95,6 +95,11 @@ def adopt(live: Mapping[str, torch.Tensor] | torch.nn.Module, layout: Layout) ->
     per-tensor path for them); overlapping tensors where neither holds the other are refused.
     """
     targets = live_tensors(live) if isinstance(live, torch.nn.Module) else dict(live)
+    if layout.casts:
+        raise ValueError(
+            "adopt: the layout casts tensors to a wire dtype; adopt the trainer's tensors with a layout "
+            "of their own dtypes (the block keeps the values, not a cast of them)"
+        )
     layout.check_state_dict(targets)
     devices = sorted({str(t.device) for t in targets.values()})
     if len(devices) > 1:
@@ -140,8 +145,8 @@ def flat_block(layout: Layout, state_dict: Mapping[str, torch.Tensor]) -> torch.
     ``dict`` is inspected: another mapping may produce each tensor when it is read (a gather),
     and is never read ahead of the sender's own order.
     """
-    if not isinstance(state_dict, dict):
-        return None
+    if not isinstance(state_dict, dict) or layout.casts:
+        return None  # a cast layout's bytes are not the tensors' bytes
     first: torch.Tensor | None = None
     base = 0
     for name, offset in zip(layout.names, _flat_offsets(layout), strict=True):

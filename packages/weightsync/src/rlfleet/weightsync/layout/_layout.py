@@ -3,6 +3,12 @@
 Sender and receivers derive the same layout from the same (name, shape, dtype) list, so the
 only metadata a sync carries is that list, as plain JSON, and a digest both sides compare.
 
+A tensor's ``dtype`` is the one on the wire, what the receiver holds and serves; a sender whose
+tensors are in another floating dtype (fp32 master weights for a bf16 engine) records that
+``source`` dtype in its layout and casts while it packs, once per version. The source is the
+sender's business: it changes no byte on the wire, so it is not part of the digest, and a
+receiver that builds its layout from its bf16 model matches a sender casting from fp32.
+
 Alignment where it matters, density everywhere else: a tensor of at least `DENSE_BELOW`
 bytes starts at a 512-byte boundary (copy engines and vector units gain, and the padding is
 under 1% of it); a smaller one starts at a multiple of its element size, which every typed
@@ -45,6 +51,29 @@ MAX_TENSOR_BYTES = 1 << 44
 MAX_DIM = MAX_TENSOR_BYTES
 
 
+#: What a wire dtype is given as: a dtype, its name, a mapping of tensor names to either, or None.
+WireDtype = torch.dtype | str | Mapping[str, torch.dtype | str] | None
+
+
+def _wire_name(value: object, what: str) -> str:
+    if isinstance(value, torch.dtype):
+        name = dtype_name(value)
+    elif isinstance(value, str):
+        name = value.removeprefix("torch.")
+        dtype_from_name(name)
+    else:
+        raise TypeError(f"{what} must be a torch dtype or its name, got {type(value).__name__}")
+    if not dtype_from_name(name).is_floating_point:
+        raise ValueError(f"{what}: a wire dtype is a floating dtype, got {name}")
+    return name
+
+
+def _entry(spec: TensorSpec) -> list[Any]:
+    """A tensor's JSON entry: [name, shape, dtype], with its source dtype when the sender casts."""
+    entry: list[Any] = [spec.name, list(spec.shape), spec.dtype]
+    return entry if spec.source is None else [*entry, spec.source]
+
+
 def align(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
 
@@ -64,10 +93,21 @@ class TensorSpec:
     bucket: int
     offset: int
     nbytes: int
+    #: The dtype the sender's tensor has, cast to `dtype` while packing (None: `dtype` itself).
+    source: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
+
+    @property
+    def source_dtype(self) -> torch.dtype:
+        """What a sender's tensor may be besides `torch_dtype` (the same when nothing is cast)."""
+        return dtype_from_name(self.source or self.dtype)
+
+    def takes(self, tensor: torch.Tensor) -> bool:
+        """Whether a sender may pack `tensor` here: the shape, and the wire or the source dtype."""
+        return tuple(tensor.shape) == self.shape and tensor.dtype in (self.torch_dtype, self.source_dtype)
 
     @property
     def numel(self) -> int:
@@ -83,10 +123,17 @@ class BucketSpec:
     tensors: tuple[TensorSpec, ...]
 
 
-def _validate_entry(entry: Any, position: int) -> tuple[str, tuple[int, ...], str]:
-    if not isinstance(entry, Sequence) or isinstance(entry, str) or len(entry) != 3:
-        raise MetadataError(f"tensor entry {position} must be [name, shape, dtype], got {entry!r:.200}")
-    name, shape, dtype = entry
+Entry = tuple[str, Sequence[int], str] | tuple[str, Sequence[int], str, str | None]
+
+
+def _validate_entry(entry: Any, position: int) -> tuple[str, tuple[int, ...], str, str | None]:
+    if not isinstance(entry, Sequence) or isinstance(entry, str) or len(entry) not in (3, 4):
+        raise MetadataError(
+            f"tensor entry {position} must be [name, shape, dtype] or [name, shape, dtype, source dtype], "
+            f"got {entry!r:.200}"
+        )
+    name, shape, dtype = entry[0], entry[1], entry[2]
+    source = entry[3] if len(entry) == 4 else None
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
         raise MetadataError(f"tensor entry {position}: invalid name {name!r:.200}")
     if (
@@ -103,7 +150,18 @@ def _validate_entry(entry: Any, position: int) -> tuple[str, tuple[int, ...], st
     if not isinstance(dtype, str):
         raise MetadataError(f"tensor {name!r}: dtype must be a string, got {dtype!r:.100}")
     dtype_from_name(dtype)
-    return name, tuple(shape), dtype
+    if source is not None:
+        if not isinstance(source, str):
+            raise MetadataError(
+                f"tensor {name!r}: source dtype must be a string or null, got {source!r:.100}"
+            )
+        if source != dtype and not (
+            dtype_from_name(source).is_floating_point and dtype_from_name(dtype).is_floating_point
+        ):
+            raise MetadataError(
+                f"tensor {name!r}: a sender casts only between floating dtypes, not {source} to {dtype}"
+            )
+    return name, tuple(shape), dtype, None if source == dtype else source
 
 
 class Layout:
@@ -111,7 +169,7 @@ class Layout:
 
     def __init__(
         self,
-        entries: Iterable[tuple[str, Sequence[int], str]],
+        entries: Iterable[Entry],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         if not isinstance(bucket_bytes, int) or bucket_bytes < ALIGNMENT:
@@ -125,7 +183,7 @@ class Layout:
         for position, entry in enumerate(entries):
             if position >= MAX_TENSORS:
                 raise MetadataError(f"more than {MAX_TENSORS} tensors in one layout")
-            name, shape, dtype = _validate_entry(entry, position)
+            name, shape, dtype, source = _validate_entry(entry, position)
             if name in seen:
                 raise MetadataError(f"tensor {name!r} appears twice in the layout")
             seen.add(name)
@@ -140,7 +198,7 @@ class Layout:
                 buckets.append([])  # the first bucket, or this tensor would overflow the current one
                 sizes.append(0)
                 offset = 0
-            spec = TensorSpec(name, shape, dtype, len(buckets) - 1, offset, nbytes)
+            spec = TensorSpec(name, shape, dtype, len(buckets) - 1, offset, nbytes, source)
             buckets[-1].append(spec)
             specs.append(spec)
             cursor = offset + nbytes
@@ -155,9 +213,16 @@ class Layout:
     # -- construction -----------------------------------------------------------------
     @classmethod
     def from_state_dict(
-        cls, state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        wire_dtype: WireDtype = None,
     ) -> Layout:
-        """The layout of `state_dict`, in its own key order (TypeError naming an entry that is no tensor)."""
+        """The layout of `state_dict`, in its own key order (TypeError naming an entry that is no tensor).
+
+        `wire_dtype` (a dtype, its name, or a mapping of names to either): what floating tensors
+        travel as, the engine's dtype; the sender casts them while packing (see `cast`).
+        """
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 f"a state dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
@@ -165,10 +230,41 @@ class Layout:
         for name, tensor in state_dict.items():
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"state dict entry {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        return cls(
+        layout = cls(
             ((name, tuple(t.shape), dtype_name(t.dtype)) for name, t in state_dict.items()),
             bucket_bytes,
         )
+        return layout if wire_dtype is None else layout.cast(wire_dtype)
+
+    def cast(self, wire_dtype: WireDtype) -> Layout:
+        """This layout with floating tensors carried as `wire_dtype`, each recording its source dtype.
+
+        A dtype (or its name) applies to every floating tensor; a mapping, to the tensors it names
+        (ValueError naming one the layout lacks). Integer and bool tensors, and tensors already in
+        the wire dtype, are left as they are. Casting again keeps the first source.
+        """
+        if wire_dtype is None:
+            return self
+        if isinstance(wire_dtype, Mapping):
+            wanted = {name: _wire_name(d, f"wire_dtype[{name!r}]") for name, d in wire_dtype.items()}
+            unknown = [name for name in wanted if name not in self._by_name]
+            if unknown:
+                raise ValueError(f"wire_dtype names {unknown[0]!r}, which is not in the layout")
+        else:
+            every = _wire_name(wire_dtype, "wire_dtype")
+            wanted = {s.name: every for s in self.tensors if dtype_from_name(s.dtype).is_floating_point}
+        entries: list[Entry] = []
+        for s in self.tensors:
+            target = wanted.get(s.name, s.dtype)
+            if target != s.dtype and not dtype_from_name(s.dtype).is_floating_point:
+                raise ValueError(f"wire_dtype: {s.name!r} is {s.dtype}; only floating tensors are cast")
+            entries.append((s.name, s.shape, target, s.source or s.dtype))
+        return Layout(entries, self.bucket_bytes)
+
+    @property
+    def casts(self) -> bool:
+        """Whether a sender casts any tensor (some source dtype differs from the wire dtype)."""
+        return any(s.source is not None for s in self.tensors)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form: the entries, the bucket cap and the digest to check on arrival."""
@@ -177,7 +273,7 @@ class Layout:
             "bucket_bytes": self.bucket_bytes,
             "alignment": ALIGNMENT,
             "dense_below": DENSE_BELOW,
-            "tensors": [[s.name, list(s.shape), s.dtype] for s in self.tensors],
+            "tensors": [_entry(s) for s in self.tensors],
             "digest": self.digest,
         }
 
@@ -270,12 +366,17 @@ class Layout:
         )
 
     def check_state_dict(
-        self, state_dict: Mapping[str, torch.Tensor], buckets: Iterable[int] | None = None
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        buckets: Iterable[int] | None = None,
+        *,
+        sending: bool = False,
     ) -> None:
         """Raise LayoutMismatchError naming the first parameter that differs from the layout.
 
         With `buckets`, only the tensors of those buckets must be there (a sender's share), and
-        other entries are not checked.
+        other entries are not checked. `sending`: the state dict a sender packs, whose tensors may
+        also be in their source dtype (cast while packing); a receiver's holds the wire dtype.
         """
         specs = self.tensors if buckets is None else [t for b in buckets for t in self.buckets[b].tensors]
         for spec in specs:
@@ -291,9 +392,12 @@ class Layout:
                     f"parameter {spec.name!r} has shape {tuple(tensor.shape)}, layout says {spec.shape}",
                     spec.name,
                 )
-            if tensor.dtype != spec.torch_dtype:
+            if tensor.dtype != spec.torch_dtype and not (sending and tensor.dtype == spec.source_dtype):
+                says = (
+                    spec.dtype if not sending or spec.source is None else f"{spec.dtype} (from {spec.source})"
+                )
                 raise LayoutMismatchError(
-                    f"parameter {spec.name!r} has dtype {dtype_name(tensor.dtype)}, layout says {spec.dtype}",
+                    f"parameter {spec.name!r} has dtype {dtype_name(tensor.dtype)}, layout says {says}",
                     spec.name,
                 )
         extra = [name for name in state_dict if name not in self._by_name] if buckets is None else []

@@ -35,11 +35,13 @@ def _check_buffer(layout: Layout, index: int, buffer: torch.Tensor) -> int:
     return nbytes
 
 
-def _source(tensors: Mapping[str, torch.Tensor], spec: TensorSpec) -> torch.Tensor:
+def _source(tensors: Mapping[str, torch.Tensor], spec: TensorSpec, sending: bool = False) -> torch.Tensor:
+    """`spec`'s tensor; a sender's may be in its source dtype (the copy into the bucket casts it)."""
     tensor = tensors.get(spec.name)
     if tensor is None:
         raise LayoutMismatchError(f"parameter {spec.name!r} is missing from the state dict", spec.name)
-    if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.torch_dtype:
+    fits = spec.takes(tensor) if sending else tensor.dtype == spec.torch_dtype
+    if tuple(tensor.shape) != spec.shape or not fits:
         raise LayoutMismatchError(
             f"parameter {spec.name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
             f"layout says {spec.dtype} {spec.shape}",
@@ -84,9 +86,12 @@ def _views(layout: Layout, index: int, buffer: torch.Tensor) -> list[torch.Tenso
 def pack_bucket(
     layout: Layout, index: int, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor
 ) -> torch.Tensor:
-    """Write bucket `index` of `tensors` into `buffer`; returns the bucket's slice of it."""
+    """Write bucket `index` of `tensors` into `buffer`; returns the bucket's slice of it.
+
+    Tensors in their source dtype are cast to the wire dtype by this copy (once per version).
+    """
     nbytes = _check_buffer(layout, index, buffer)
-    sources = [_source(tensors, spec).detach() for spec in layout.buckets[index].tensors]
+    sources = [_source(tensors, spec, sending=True).detach() for spec in layout.buckets[index].tensors]
     copy_pairs(_views(layout, index, buffer), sources, threaded=False)
     return buffer[:nbytes]
 

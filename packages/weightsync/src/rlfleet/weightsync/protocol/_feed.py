@@ -92,7 +92,7 @@ class _OpenBuckets:
     def place(self, name: str, tensor: torch.Tensor) -> int:
         """Copy `tensor` into its bucket; returns the bucket index."""
         spec = self.layout[name]
-        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.torch_dtype:
+        if not spec.takes(tensor):  # the wire dtype, or the source dtype the copy casts from
             raise LayoutMismatchError(
                 f"parameter {name!r} is {dtype_name(tensor.dtype)} {tuple(tensor.shape)}, "
                 f"layout says {spec.dtype} {spec.shape}",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.weightsync._errors import MetadataError
+from rlfleet.weightsync.codec._delta import DELTA_KINDS
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._core import (
     MAX_VERSION,
@@ -93,6 +94,9 @@ class Header:
     abort: str | None = None
     #: The bucket indices this sender sends (None: all of them).
     share: tuple[int, ...] | None = None
+    #: The version the sender offers a delta against (None: full); each receiver says in the
+    #: negotiation whether it holds it, and the version is a delta only if every one does.
+    base: int | None = None
 
     def encode(self) -> bytes:
         return encode_frame(
@@ -107,6 +111,7 @@ class Header:
                 "layout_nbytes": self.layout_nbytes,
                 "direct_min": self.direct_min,
                 "abort": None if self.abort is None else truncate(self.abort, 2000),
+                "base": self.base,
             },
             HEADER_BYTES,
             "sync header",
@@ -135,17 +140,25 @@ class Header:
             direct_min=int_field(data, "direct_min", "sync header", minimum=1),
             abort=reason_field(data, "sync header"),
             share=_decode_share(data.get("share"), buckets),
+            base=None if data.get("base") is None else int_field(data, "base", "sync header"),
         )
 
 
 @dataclass(frozen=True)
 class Control:
-    """The word sent before each bucket: which bucket, how many bytes, its crc32, or an abort."""
+    """The word sent before each bucket: which bucket, how many bytes, its crc32, or an abort.
+
+    In a delta version, `kind` says how the bucket travels (``full``: its segments as ever;
+    ``sparse`` / ``bitmap``: one encoded payload of `nbytes`) and `digest` is the sender's
+    digest of the bucket's new bytes, which the receiver's rebuild must match.
+    """
 
     bucket: int
     nbytes: int
     crc: int | None = None
     abort: str | None = None
+    kind: str = "full"
+    digest: int | None = None
 
     def encode(self) -> bytes:
         payload: Mapping[str, Any] = {
@@ -153,6 +166,8 @@ class Control:
             "nbytes": self.nbytes,
             "crc": self.crc,
             "abort": None if self.abort is None else truncate(self.abort),
+            "kind": self.kind,
+            "digest": self.digest,
         }
         return encode_frame(payload, CONTROL_BYTES, "bucket control word")
 
@@ -162,11 +177,21 @@ class Control:
         crc = data.get("crc")
         if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32):
             raise MetadataError(f"bucket control word: invalid crc {crc!r:.40}")
+        kind = data.get("kind", "full")
+        if kind not in DELTA_KINDS:
+            raise MetadataError(f"bucket control word: unknown kind {kind!r:.40}")
+        digest = data.get("digest")
+        if digest is not None and (
+            not isinstance(digest, int) or isinstance(digest, bool) or not 0 <= digest < 2**64
+        ):
+            raise MetadataError(f"bucket control word: invalid digest {digest!r:.40}")
         return cls(
             bucket=int_field(data, "bucket", "bucket control word"),
             nbytes=int_field(data, "nbytes", "bucket control word"),
             crc=crc,
             abort=reason_field(data, "bucket control word"),
+            kind=kind,
+            digest=digest,
         )
 
 

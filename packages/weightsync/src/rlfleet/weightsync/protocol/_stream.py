@@ -202,7 +202,7 @@ class StreamCursor:
         name, tensor = pair
         if name != spec.name:
             raise self._misplaced(name, spec)
-        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.torch_dtype:
+        if not spec.takes(tensor):  # the wire dtype, or the source dtype it is cast from
             raise LayoutMismatchError(
                 f"parameter {name!r} is {dtype_name(tensor.dtype)} {tuple(tensor.shape)} in the weight "
                 f"stream, layout says {spec.dtype} {spec.shape}",
@@ -340,7 +340,7 @@ class StreamedBuckets:
             g = owner[spec.name]
             where = positions[g]
             if where is None:  # a large tensor of a fresh stream: its own bytes go on the wire
-                sources[g] = _own_bytes(tensor, self.device)
+                sources[g] = _own_bytes(tensor.to(spec.torch_dtype), self.device)  # a cast: once
                 continue
             assert buffer is not None
             start = where + spec.offset - self.segments[k][g].start

@@ -65,6 +65,12 @@ class SyncStats:
     buckets: int
     wire_bytes: int
     seconds: float
+    #: The bytes of the full version in the wire dtype (0: not counted: the same as wire_bytes).
+    full_bytes: int = 0
+    #: The base the version was a delta against (None: it went full).
+    base: int | None = None
+    #: Receivers (group ranks) that did not hold the offered base, so the version went full.
+    full_ranks: tuple[int, ...] = ()
 
     @property
     def gbps(self) -> float:

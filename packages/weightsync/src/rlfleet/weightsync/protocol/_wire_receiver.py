@@ -22,6 +22,8 @@ from rlfleet.weightsync._errors import (
     VersionError,
     WeightSyncError,
 )
+from rlfleet.weightsync.codec._delta import FULL
+from rlfleet.weightsync.codec._delta_state import DeltaBase, holds_base, rebuild
 from rlfleet.weightsync.layout._layout import MAX_METADATA_BYTES, Layout, TensorSpec
 from rlfleet.weightsync.protocol._core import (
     Pending,
@@ -31,6 +33,7 @@ from rlfleet.weightsync.protocol._core import (
     describe,
     prepare,
     safe_abort,
+    status_round,
     tensor_bytes,
 )
 from rlfleet.weightsync.protocol._frames import (
@@ -127,10 +130,15 @@ class ProtocolReceiver(BroadcastSession):
         code, own_error = self._negotiate(consumer, header, share, deadline)
         began = code == Status.OK
         try:
-            codes = self._status_round(code, deadline, "sync negotiation")
+            if header.base is None:
+                codes, delta = self._status_round(code, deadline, "sync negotiation"), False
+            else:  # a delta is offered: every rank says whether it holds the base
+                held = int(code == Status.OK and holds_base(consumer, header.base))
+                codes, holds = status_round(self.wire, (code, held), deadline, "sync negotiation")
+                delta = all(h for r, h in enumerate(holds) if r != self.wire.src)
             if any(codes):
                 self._refused(consumer.layout, header, codes, code, own_error, deadline)
-            inbound = _Inbound(self, consumer, header, deadline)
+            inbound = _Inbound(self, consumer, header, deadline, delta)
             total, failure = inbound.run()
             if failure is None:
                 failure = prepare(consumer, header.version, deadline, f"rank {wire.rank}")
@@ -215,7 +223,12 @@ class _Inbound:
     """One version's buckets arriving: bucket k is consumed while bucket k+1 lands."""
 
     def __init__(
-        self, session: ProtocolReceiver, consumer: BucketConsumer, header: Header, deadline: Deadline
+        self,
+        session: ProtocolReceiver,
+        consumer: BucketConsumer,
+        header: Header,
+        deadline: Deadline,
+        delta: bool = False,
     ) -> None:
         layout = consumer.layout
         if header.buckets != len(layout.buckets):
@@ -233,6 +246,9 @@ class _Inbound:
         self.targets = consumer if isinstance(consumer, BucketTarget) else None
         self.landing = consumer if isinstance(consumer, TensorTarget) else None
         self.failure: WeightSyncError | None = None
+        #: Whether buckets may come as deltas (every receiver holds the base the header offers).
+        self.delta = delta
+        self._rebuilt: torch.Tensor | None = None  # where a delta is rebuilt without a landing zone
 
     def run(self) -> tuple[int, WeightSyncError | None]:
         """Receive every bucket of the share; the bytes moved, and this rank's failure if any."""
@@ -240,18 +256,18 @@ class _Inbound:
         if not indices:
             return 0, None
         control = self._read_control(indices[0], self._post_control())
-        current = self._post_data(0, indices[0])
+        current = self._post_data(0, indices[0], control)
         for position, k in enumerate(indices):
             after = indices[position + 1] if position + 1 < len(indices) else None
             next_control = self._post_control() if after is not None else None
             dest, ops, regions = current
             for op in ops:
                 op.wait(self.deadline, f"bucket {k} broadcast")
-            total += wire_nbytes(self.plans[k])
+            total += control.nbytes
             following: Control | None = None
             if after is not None and next_control is not None:
                 following = self._read_control(after, next_control)
-                current = self._post_data(position + 1, after)  # lands while bucket k is consumed
+                current = self._post_data(position + 1, after, following)  # lands while k is consumed
             if self.failure is None:
                 self._take(k, control, dest, regions)
             if following is not None:
@@ -270,6 +286,13 @@ class _Inbound:
             self.session.in_step()  # the sender stops after this same broadcast
             raise SyncAbortedError(f"sender aborted version {self.header.version}: {control.abort}")
         expected = wire_nbytes(self.plans[k])
+        if control.kind != FULL:
+            if not self.delta or control.digest is None or control.nbytes > self.layout.buckets[k].nbytes:
+                raise MetadataError(
+                    f"control word says bucket {control.bucket} is a {control.kind} delta of "
+                    f"{control.nbytes} bytes{'' if self.delta else ' in a version that is not a delta'}"
+                )
+            expected = control.nbytes
         if control.bucket != k or control.nbytes != expected:
             raise MetadataError(
                 f"control word says bucket {control.bucket} with {control.nbytes} bytes, "
@@ -286,7 +309,12 @@ class _Inbound:
             return None
         return dest if dest.numel() >= self.layout.buckets[k].nbytes else None
 
-    def _post_data(self, position: int, k: int) -> tuple[torch.Tensor, list[Pending], list[torch.Tensor]]:
+    def _post_data(
+        self, position: int, k: int, control: Control
+    ) -> tuple[torch.Tensor, list[Pending], list[torch.Tensor]]:
+        if control.kind != FULL:  # a delta payload: into a bucket buffer, rebuilt when consumed
+            payload = self.session._buffer(position % 2, self.layout.max_bucket_nbytes)[: control.nbytes]
+            return payload, [self.wire.broadcast(payload)], [payload]
         dest = self._landing_zone(k)
         own = dest is None
         if dest is None:
@@ -300,6 +328,21 @@ class _Inbound:
             regions.append(dest[seg.start : seg.end] if region is None else region)
         return dest, [self.wire.broadcast(r) for r in regions], regions
 
+    def _rebuild(self, k: int, control: Control, payload: torch.Tensor) -> torch.Tensor:
+        """Bucket `k` of the new version from the consumer's base and the delta, where the full
+        bucket would land (the consumer's own storage when it offers it), checked (`rebuild`)."""
+        nbytes = self.layout.buckets[k].nbytes
+        out = self._landing_zone(k)
+        if out is None:
+            if self._rebuilt is None:
+                self._rebuilt = torch.empty(
+                    self.layout.max_bucket_nbytes, dtype=torch.uint8, device=self.wire.device
+                )
+            out = self._rebuilt
+        assert isinstance(self.consumer, DeltaBase)  # holds_base said so in the negotiation
+        rebuild(self.consumer, k, control.kind, payload, out[:nbytes], control.digest)
+        return out
+
     def _take(self, k: int, control: Control, dest: torch.Tensor, regions: list[torch.Tensor]) -> None:
         """Verify and consume bucket `k`; a failure is kept for the commit round, not raised."""
         version = self.header.version
@@ -312,6 +355,8 @@ class _Inbound:
                         f"sender computed {control.crc!r}",
                         k,
                     )
+            if control.kind != FULL:
+                dest = self._rebuild(k, control, dest)
             self.consumer.consume(k, dest[: self.layout.buckets[k].nbytes])
         except Exception as exc:
             self.failure = consumer_error(exc, f"consumer failed on bucket {k}")

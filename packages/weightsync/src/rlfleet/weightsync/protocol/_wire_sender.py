@@ -28,6 +28,8 @@ from rlfleet.weightsync._errors import (
     VersionError,
     WeightSyncError,
 )
+from rlfleet.weightsync.codec._delta import DEFAULT_MAX_FRACTION, FULL
+from rlfleet.weightsync.codec._delta_state import DeltaEncoder, check_delta_mode
 from rlfleet.weightsync.layout._block import flat_block
 from rlfleet.weightsync.layout._copy import copy_pairs
 from rlfleet.weightsync.layout._layout import Layout
@@ -40,6 +42,7 @@ from rlfleet.weightsync.protocol._core import (
     check_version,
     describe,
     raw_bytes,
+    status_round,
 )
 from rlfleet.weightsync.protocol._frames import (
     DEFAULT_DIRECT_MIN_BYTES,
@@ -56,6 +59,7 @@ from rlfleet.weightsync.protocol._stream import (
     StreamedBuckets,
     Weights,
     drain_on_error,
+    fill_bucket,
     open_source,
 )
 from rlfleet.weightsync.protocol._wire_base import BroadcastSession, SyncStats, Wire, crc_of, rank_label
@@ -77,8 +81,15 @@ class ProtocolSender(BroadcastSession):
         wire: Wire,
         checksums: bool = False,
         direct_min: int = DEFAULT_DIRECT_MIN_BYTES,
+        *,
+        delta: str = "off",
+        delta_max_fraction: float = DEFAULT_MAX_FRACTION,
     ) -> None:
         super().__init__(wire, direct_min)
+        #: The sender's base and per-bucket delta choice (None: ``delta="off"``, every version full).
+        self.delta: DeltaEncoder | None = (
+            None if check_delta_mode(delta) == "off" else DeltaEncoder(layout, delta, delta_max_fraction)
+        )
         if wire.rank != wire.src:
             raise ValueError(f"sender must be the group's source rank {wire.src}, this is rank {wire.rank}")
         self.layout = layout
@@ -198,9 +209,10 @@ class ProtocolSender(BroadcastSession):
         problem: WeightSyncError | None = None
         if not isinstance(source, StreamCursor):  # a stream is checked as it is read
             try:
-                layout.check_state_dict(source, buckets=share)
+                layout.check_state_dict(source, buckets=share, sending=True)
             except WeightSyncError as exc:
                 problem = exc
+        offer = None if self.delta is None or problem is not None else self.delta.offer()
         header = Header(
             version=version,
             digest=layout.digest,
@@ -210,6 +222,7 @@ class ProtocolSender(BroadcastSession):
             direct_min=self.direct_min,
             abort=None if problem is None else f"sender's state dict does not fit its layout: {problem}",
             share=share,
+            base=offer,
         )
         frame = bytes_tensor(header.encode(), wire.device)
         self.on_wire()
@@ -217,18 +230,44 @@ class ProtocolSender(BroadcastSession):
         if problem is not None:
             self.in_step()
             raise problem
-        codes = self._status_round(Status.OK, deadline, "sync negotiation")
-        if any(codes):
-            self._refused(version, codes, deadline)
-        indices = list(range(len(layout.buckets))) if share is None else list(share)
-        total = self._send_buckets(source, indices, deadline)
-        codes = self._status_round(Status.OK, deadline, "sync commit")
-        self.in_step()
-        if any(codes):
-            raise SyncAbortedError(
-                f"version {version} aborted, nothing applied: {describe(codes, rank_label)}"
-            )
-        return SyncStats(version, len(indices), total, time.perf_counter() - start)
+        committed = False
+        try:
+            codes, lacking = self._negotiate(offer, deadline)
+            if any(codes):
+                self._refused(version, codes, deadline)
+            delta = offer is not None and not lacking
+            if self.delta is not None:
+                self.delta.start(version, delta)
+            indices = list(range(len(layout.buckets))) if share is None else list(share)
+            total = self._send_buckets(source, indices, deadline)
+            codes = self._status_round(Status.OK, deadline, "sync commit")
+            self.in_step()
+            if any(codes):
+                raise SyncAbortedError(
+                    f"version {version} aborted, nothing applied: {describe(codes, rank_label)}"
+                )
+            committed = True
+        finally:
+            if self.delta is not None:
+                self.delta.finish(version, committed, share)
+        full = layout.padded_bytes if share is None else sum(layout.buckets[k].nbytes for k in share)
+        return SyncStats(
+            version,
+            len(indices),
+            total,
+            time.perf_counter() - start,
+            full_bytes=full,
+            base=offer if delta else None,
+            full_ranks=tuple(lacking) if offer is not None else (),
+        )
+
+    def _negotiate(self, offer: int | None, deadline: Deadline) -> tuple[list[int], list[int]]:
+        """The negotiation round: every rank's status and, with a delta offered, the receivers
+        that lack its base (the version then goes full to every one of them: one broadcast)."""
+        if offer is None:
+            return self._status_round(Status.OK, deadline, "sync negotiation"), []
+        codes, holds = status_round(self.wire, (Status.OK, 1), deadline, "sync negotiation")
+        return codes, [r for r, held in enumerate(holds) if not held]
 
     def _refused(self, version: int, codes: list[int], deadline: Deadline) -> None:
         """A receiver refused the version in the negotiation: tell it our layout if it asks, raise."""
@@ -249,7 +288,7 @@ class ProtocolSender(BroadcastSession):
         slot_ops: list[list[Pending]] = [[], []]
         total = 0
         block = None if isinstance(source, StreamCursor) else flat_block(self.layout, source)
-        if block is not None and block.device != wire.device:
+        if block is not None and (block.device != wire.device or self.delta is not None):
             block = None  # else the model lies in one block: every run is sent as it lies
 
         held: dict[int, list[torch.Tensor]] = {}  # a stream's buckets, alive until on the wire
@@ -267,8 +306,16 @@ class ProtocolSender(BroadcastSession):
                 slot = position % 2
                 segments = self._segments[k]
                 drain(position - 1 - BUCKETS_IN_FLIGHT)  # bucket k-1 stays on the wire while k is packed
+                kind, digest, nbytes = FULL, None, wire_nbytes(segments)
                 try:
-                    if block is not None:
+                    if self.delta is not None:
+                        sources, kind, digest = self._encoded(source, k, slot, slot_ops, deadline)
+                        packed = True
+                        held[position] = sources
+                        nbytes = sum(int(s.numel()) for s in sources)
+                        if isinstance(source, StreamCursor) and position == len(indices) - 1:
+                            source.finish()
+                    elif block is not None:
                         base = self._starts[k]
                         sources, packed = [block[base + g.start : base + g.end] for g in segments], False
                     elif isinstance(source, StreamCursor):
@@ -286,7 +333,7 @@ class ProtocolSender(BroadcastSession):
                     if isinstance(exc, WeightSyncError):
                         raise
                     raise SyncAbortedError(f"sender failed to pack bucket {k}: {exc}") from exc
-                control = Control(k, wire_nbytes(segments), crc)
+                control = Control(k, nbytes, crc, kind=kind, digest=digest)
                 in_flight.append(
                     (wire.broadcast(bytes_tensor(control.encode(), wire.device)), f"control {k}", position)
                 )
@@ -315,7 +362,7 @@ class ProtocolSender(BroadcastSession):
         sources: list[torch.Tensor] = []
         buffer: torch.Tensor | None = None
         for seg, members in zip(segments, self._members[k], strict=True):
-            if seg.tensor is not None:
+            if seg.tensor is not None and state_dict[seg.tensor].dtype == self.layout[seg.tensor].torch_dtype:
                 own = raw_bytes(state_dict[seg.tensor], device)
                 if own is not None:
                     sources.append(own)
@@ -329,6 +376,27 @@ class ProtocolSender(BroadcastSession):
             )
             sources.append(buffer[seg.start : seg.end])
         return sources, buffer is not None
+
+    def _encoded(
+        self, source: Source, k: int, slot: int, slot_ops: list[list[Pending]], deadline: Deadline
+    ) -> tuple[list[torch.Tensor], str, int | None]:
+        """Bucket `k` packed whole (cast to the wire dtype) and encoded against the sender's base:
+        its segments when it goes full, else its one delta payload; with its kind and digest."""
+        assert self.delta is not None
+        self._free_buffer(slot, slot_ops, deadline)
+        buffer = self._buffer(slot, self.layout.buckets[k].nbytes)
+        views = self._views(slot, k, buffer)
+        if isinstance(source, StreamCursor):
+            fill_bucket(source, k, buffer, views)
+        else:
+            members = [spec.name for spec in self.layout.buckets[k].tensors if spec.nbytes]
+            copy_pairs([views[n] for n in members], [source[n].detach() for n in members])
+        delta = self.delta.last.base is not None
+        payload = self.delta.encode(k, buffer, delta)
+        if payload.kind == FULL:
+            bucket = buffer
+            return [bucket[g.start : g.end] for g in self._segments[k]], FULL, None
+        return [payload.data.to(self.wire.device)], payload.kind, payload.digest
 
     def _free_buffer(self, slot: int, slot_ops: list[list[Pending]], deadline: Deadline) -> None:
         """Wait until the bucket that last used buffer `slot` is on the wire."""

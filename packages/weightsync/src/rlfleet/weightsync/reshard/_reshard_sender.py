@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,8 +13,12 @@ from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline
 from rlfleet.weightsync._errors import LayoutMismatchError, SyncAbortedError, VersionError, WeightSyncError
 from rlfleet.weightsync.layout._dtypes import dtype_from_name
 from rlfleet.weightsync.protocol._core import Pending, Status, check_version, raw_bytes
-from rlfleet.weightsync.reshard._reshard_program import GEN, TRAIN, ReshardMessage, Transfer
+from rlfleet.weightsync.reshard._reshard_groups import PeerGroup
+from rlfleet.weightsync.reshard._reshard_program import GEN, TRAIN, RankProgram, ReshardMessage, Transfer
 from rlfleet.weightsync.reshard._reshard_session import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_RESHARD_BUCKET_BYTES,
+    DEFAULT_RESHARD_DIRECT_MIN,
     HEADER_TAG,
     ReshardSession,
     ReshardStats,
@@ -32,9 +36,32 @@ class ReshardSender(ReshardSession):
     plan's training parameters (extra entries are ignored). `extras` (JSON-safe, small: e.g.
     ``{"kv_scales": {...}}``) reach every generation rank with the header. The deadline
     defaults to `DEFAULT_SYNC_TIMEOUT_S`.
+
+    The plan's dtypes are what travels (the engine's). With ``cast=True`` a local shard in
+    another floating dtype (fp32 master weights for a bf16 plan) is cast once per version,
+    before any slice of it is sent, whichever generation ranks read it.
     """
 
     ROLE = TRAIN
+    #: Whether shards in another floating dtype are cast to the plan's (set with ``cast=True``).
+    cast = False
+
+    def __init__(
+        self,
+        program: RankProgram | Mapping[str, Any] | str | bytes,
+        groups: PeerGroup | Sequence[PeerGroup],
+        *,
+        bucket_bytes: int = DEFAULT_RESHARD_BUCKET_BYTES,
+        direct_min: int = DEFAULT_RESHARD_DIRECT_MIN,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        cast: bool = False,
+    ) -> None:
+        super().__init__(
+            program, groups, bucket_bytes=bucket_bytes, direct_min=direct_min, max_in_flight=max_in_flight
+        )
+        if not isinstance(cast, bool):
+            raise TypeError(f"cast must be a bool, got {type(cast).__name__}")
+        self.cast = cast
 
     def send(
         self,
@@ -58,7 +85,9 @@ class ReshardSender(ReshardSession):
                 return LayoutMismatchError(
                     f"train rank {self.program.rank}: parameter {name!r} is missing", name
                 )
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype_from_name(dtype):
+            wire = dtype_from_name(dtype)
+            castable = self.cast and tensor.is_floating_point() and wire.is_floating_point
+            if tuple(tensor.shape) != shape or (tensor.dtype != wire and not castable):
                 return LayoutMismatchError(
                     f"train rank {self.program.rank}: parameter {name!r} is {tensor.dtype} "
                     f"{tuple(tensor.shape)}, the plan's shard is {dtype} {shape}",
@@ -87,7 +116,10 @@ class ReshardSender(ReshardSession):
         extras: dict[str, Any],
         start: float,
     ) -> ReshardStats:
-        header, problem = self._header(version, extras, self._check_state(state_dict))
+        problem = self._check_state(state_dict)
+        if problem is None and self.cast:
+            state_dict = self._wire_dtypes(state_dict)
+        header, problem = self._header(version, extras, problem)
         self.on_wire()
         self._send_headers(header, deadline)
         outcome, codes = self._negotiate(Status.ABORTED if problem else Status.OK, version, deadline)
@@ -139,6 +171,17 @@ class ReshardSender(ReshardSession):
                 )
         for op, what in ops:
             op.wait(deadline, what)
+
+    def _wire_dtypes(self, state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The shards this rank sends, each in the plan's dtype: cast here, once per version."""
+        needed = {t.src_param for t in self.program.transfers}
+        out = dict(state_dict)
+        with torch.no_grad():
+            for name, _shape, dtype in self.program.tensors:
+                wire = dtype_from_name(dtype)
+                if name in needed and out[name].dtype != wire:
+                    out[name] = out[name].detach().to(wire)
+        return out
 
     def _source(self, state_dict: Mapping[str, torch.Tensor], t: Transfer) -> torch.Tensor:
         tensor = state_dict[t.src_param].detach()

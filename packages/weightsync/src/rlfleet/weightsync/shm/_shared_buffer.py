@@ -37,6 +37,7 @@ import torch
 from rlfleet.weightsync._deadline import Backoff, Deadline, current_deadline, deadline_or
 from rlfleet.weightsync._errors import VersionError, WeightSyncError
 from rlfleet.weightsync.buffers._buffers import BufferBase
+from rlfleet.weightsync.codec._delta_state import clear_padding
 from rlfleet.weightsync.layout._block import adopt, flat_block, live_tensors
 from rlfleet.weightsync.layout._copy import copy_tensors
 from rlfleet.weightsync.layout._integrity import bucket_checksum
@@ -226,6 +227,17 @@ class SharedBuffer(BufferBase):
         start = self._starts[index]
         return self._slots[self._writing][start : start + self._layout.buckets[index].nbytes]
 
+    def copy_base(self, index: int, out: torch.Tensor) -> bool:
+        """Bucket `index` of the newest committed slot into `out` (the free slot's region, when a
+        transport rebuilds a delta there), padding zeroed: a delta's base (`codec.DeltaBase`)."""
+        newest = self._table.newest()
+        if newest is None or self._table.version(newest) != self._version:
+            return False
+        start = self._starts[index]
+        out.copy_(self._slots[newest][start : start + self._layout.buckets[index].nbytes])
+        clear_padding(self._layout, index, out)
+        return True
+
     def bucket_target(self, index: int) -> torch.Tensor | None:
         """Bucket `index`'s bytes in the slot being written (a transport or `feed` lands there)."""
         with self._state_lock:
@@ -340,7 +352,7 @@ class SharedBuffer(BufferBase):
                 feed(self, source.ordered(), version, deadline)
             return
         state_dict = source
-        self._layout.check_state_dict(state_dict)
+        self._layout.check_state_dict(state_dict, sending=True)
         with self._writer_held(version, deadline):  # begin, copy and commit: no other sync between
             self.begin(version, deadline)
             try:

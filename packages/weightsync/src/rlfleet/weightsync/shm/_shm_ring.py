@@ -215,7 +215,7 @@ class ShmRingSender:
             if self._ring.get(G_CLOSED):
                 raise WeightSyncError(f"ring {self.name} is closed")
             if not isinstance(source, StreamCursor):
-                self.layout.check_state_dict(source)
+                self.layout.check_state_dict(source, sending=True)
             return self._send(source, version, deadline, wait_for_readers)
 
     def _send(

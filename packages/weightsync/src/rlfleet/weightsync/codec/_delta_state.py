@@ -1,0 +1,252 @@
+"""Whose base is which: the sender's copy of the last version it sent, and a receiver's rebuild.
+
+The sender keeps one base: every bucket of the last version it sent, in the wire dtype, on the
+host (a GPU trainer's buckets are copied down as they are encoded), one model copy in all. It
+is written as each bucket goes out (the changed words of a delta, the whole of a full bucket),
+so after a version commits it *is* that version, and a delta against it is offered next time.
+A version that fails leaves it torn: the sender forgets it, and the next version goes full.
+
+A receiver rebuilds a delta bucket where the full bucket would land (the standby copy, the free
+slot of a node buffer, a staging area): the consumer writes its applied version's bucket there
+(`DeltaBase.copy_base`), the changes go on top, and the result's digest must equal the
+sender's digest of the new version before the consumer sees it. A receiver whose base is not
+the sender's (another version, a restart, corrupted bytes) thus refuses the bucket, applies
+nothing, and keeps serving what it had.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from rlfleet.weightsync._errors import ChecksumMismatchError
+from rlfleet.weightsync.codec._delta import (
+    DEFAULT_MAX_FRACTION,
+    FULL,
+    DeltaPayload,
+    apply_delta,
+    bucket_digest,
+    encode_delta,
+)
+from rlfleet.weightsync.layout._layout import Layout
+from rlfleet.weightsync.layout._packing import bucket_starts, pack_bucket
+
+__all__ = [
+    "DELTA_MODES",
+    "DeltaBase",
+    "DeltaEncoder",
+    "DeltaStats",
+    "check_delta_mode",
+    "clear_padding",
+    "holds_base",
+    "pack_base",
+    "rebuild",
+]
+
+#: ``"auto"``: a delta whenever every receiver holds the sender's base; ``"off"``: always full.
+DELTA_MODES = ("auto", "off")
+
+
+def check_delta_mode(mode: object, what: str = "delta") -> str:
+    """`mode` if it is one of `DELTA_MODES`; ValueError naming `what` otherwise."""
+    if mode not in DELTA_MODES:
+        raise ValueError(f"{what} must be one of {list(DELTA_MODES)}, got {mode!r}")
+    return str(mode)
+
+
+@runtime_checkable
+class DeltaBase(Protocol):
+    """Optional consumer extension: a receiver that can rebuild a delta from its applied version.
+
+    ``copy_base(index, out)`` writes bucket `index` of the applied version (its wire bytes) into
+    `out` (flat uint8 of the bucket's nbytes) and returns True, or returns False when it cannot
+    (then the receiver asks for full versions).
+    """
+
+    def copy_base(self, index: int, out: torch.Tensor) -> bool: ...
+
+
+@lru_cache(maxsize=64)
+def _gaps(layout: Layout, index: int) -> tuple[tuple[int, int], ...]:
+    """The [start, end) byte ranges of bucket `index` that no tensor covers (its padding)."""
+    gaps: list[tuple[int, int]] = []
+    cursor = 0
+    for spec in sorted(layout.buckets[index].tensors, key=lambda s: s.offset):
+        if spec.offset > cursor:
+            gaps.append((cursor, spec.offset))
+        cursor = max(cursor, spec.offset + spec.nbytes)
+    if cursor < layout.buckets[index].nbytes:
+        gaps.append((cursor, layout.buckets[index].nbytes))
+    return tuple(gaps)
+
+
+def clear_padding(layout: Layout, index: int, out: torch.Tensor) -> torch.Tensor:
+    """Zero the padding of bucket `index` in `out`: deltas and digests cover every byte of a
+    bucket, and padding is otherwise whatever a buffer held before."""
+    for start, end in _gaps(layout, index):
+        out[start:end].zero_()
+    return out
+
+
+def pack_base(layout: Layout, index: int, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> bool:
+    """Bucket `index` of `tensors` (a receiver's applied weights, in the wire dtype) into `out`,
+    padding zeroed: `DeltaBase.copy_base` for consumers that hold their weights as tensors."""
+    pack_bucket(layout, index, tensors, out)
+    clear_padding(layout, index, out)
+    return True
+
+
+def holds_base(consumer: object, base: int | None) -> bool:
+    """Whether `consumer` can rebuild a delta against version `base` (its applied version)."""
+    return (
+        base is not None
+        and isinstance(consumer, DeltaBase)
+        and getattr(consumer, "version", None) == base
+        and bool(getattr(consumer, "takes_deltas", True))
+    )
+
+
+def rebuild(
+    consumer: DeltaBase, index: int, kind: str, payload: torch.Tensor, out: torch.Tensor, digest: int | None
+) -> None:
+    """Bucket `index` of the new version into `out`: the consumer's base, the changes, the check.
+
+    `ChecksumMismatchError` naming the bucket when the result is not the sender's (wrong base,
+    torn payload); `out` then holds garbage that nobody commits.
+    """
+    if kind == FULL:
+        out.copy_(payload)
+    else:
+        if not consumer.copy_base(index, out):
+            raise ChecksumMismatchError(f"bucket {index}: the consumer cannot provide its base", index)
+        apply_delta(kind, payload, out)
+    if digest is not None and kind != FULL:
+        got = bucket_digest(out)
+        if got != digest:
+            raise ChecksumMismatchError(
+                f"bucket {index}: the delta applied to this receiver's base gives digest {got:#018x}, "
+                f"the sender's version has {digest:#018x} (another base, or torn bytes): refused",
+                index,
+            )
+
+
+@dataclass
+class DeltaStats:
+    """What one version's encoding did: bytes sent and full, buckets by kind, words changed."""
+
+    version: int = -1
+    #: The base the delta was against (None: the version went full).
+    base: int | None = None
+    sent_bytes: int = 0
+    full_bytes: int = 0
+    changed_words: int = 0
+    total_words: int = 0
+    kinds: dict[str, int] | None = None
+    encode_seconds: float = 0.0
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed_words / self.total_words if self.total_words else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Bytes sent over the bytes of the full version."""
+        return self.sent_bytes / self.full_bytes if self.full_bytes else 1.0
+
+
+class DeltaEncoder:
+    """The sender's base and the per-bucket choice of delta or full (see the module).
+
+    Memory: one copy of the layout's padded bytes on `device` (the host by default), allocated
+    at the first version. ``mode="off"`` keeps nothing and encodes nothing.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        mode: str = "auto",
+        max_fraction: float = DEFAULT_MAX_FRACTION,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.layout = layout
+        self.mode = check_delta_mode(mode)
+        if not isinstance(max_fraction, (int, float)) or not 0.0 < float(max_fraction) <= 1.0:
+            raise ValueError(f"delta max_fraction must be in (0, 1], got {max_fraction!r}")
+        self.max_fraction = float(max_fraction)
+        self.device = torch.device(device)
+        self._starts = bucket_starts(layout)
+        self._base: torch.Tensor | None = None
+        self._base_version: int | None = None
+        self._written: set[int] = set()
+        self.last = DeltaStats()
+
+    @property
+    def base_version(self) -> int | None:
+        """The version the sender's base holds (None: no base; the next version goes full)."""
+        return self._base_version
+
+    @property
+    def base_bytes(self) -> int:
+        """Memory the sender keeps for its base."""
+        return 0 if self._base is None else int(self._base.numel())
+
+    def offer(self) -> int | None:
+        """The base to offer a delta against this time, or None (off, or no committed base)."""
+        return None if self.mode == "off" else self._base_version
+
+    def start(self, version: int, delta: bool) -> None:
+        """A version begins: `delta` when every receiver holds the offered base."""
+        self._written = set()
+        self.last = DeltaStats(version=version, base=self._base_version if delta else None, kinds={})
+
+    def encode(self, index: int, current: torch.Tensor, delta: bool) -> DeltaPayload:
+        """Bucket `index`'s payload from its packed wire bytes (its padding is zeroed here: every
+        byte is compared); the base takes the new bytes."""
+        begin = time.perf_counter()
+        nbytes = self.layout.buckets[index].nbytes
+        current = current[:nbytes]
+        if self.mode == "off":
+            payload = DeltaPayload(FULL, current, nbytes // 2, 0)
+        elif delta and self._base_version is not None:
+            clear_padding(self.layout, index, current)
+            host = current.to(self.device)  # a GPU trainer's bucket: encoded against the host base
+            payload = encode_delta(host, self._base_bucket(index), self.max_fraction, update=True)
+            if payload.kind == FULL:
+                payload = DeltaPayload(FULL, current, payload.changed, payload.digest)
+            self._written.add(index)
+        else:
+            clear_padding(self.layout, index, current)
+            self._base_bucket(index).copy_(current)
+            payload = DeltaPayload(FULL, current, nbytes // 2, 0)
+            self._written.add(index)
+        stats = self.last
+        stats.sent_bytes += payload.nbytes
+        stats.full_bytes += nbytes
+        stats.changed_words += payload.changed
+        stats.total_words += nbytes // 2
+        assert stats.kinds is not None
+        stats.kinds[payload.kind] = stats.kinds.get(payload.kind, 0) + 1
+        stats.encode_seconds += time.perf_counter() - begin
+        return payload
+
+    def _base_bucket(self, index: int) -> torch.Tensor:
+        if self._base is None:
+            self._base = torch.zeros(self.layout.padded_bytes, dtype=torch.uint8, device=self.device)
+        start = self._starts[index]
+        return self._base[start : start + self.layout.buckets[index].nbytes]
+
+    def finish(self, version: int, committed: bool, buckets: Sequence[int] | None = None) -> None:
+        """The version's outcome: committed, the base is that version; else it is forgotten."""
+        wanted = range(len(self.layout.buckets)) if buckets is None else buckets
+        complete = all(i in self._written for i in wanted)
+        self._base_version = version if committed and complete and self.mode != "off" else None
+
+    def forget(self) -> None:
+        """Drop the base (its memory too): the next version goes full."""
+        self._base = None
+        self._base_version = None
