@@ -356,7 +356,7 @@ class WeightSnapshot:
         buckets: Sequence[int] | None,
         names: tuple[str, ...],
     ) -> None:
-        self.layout.check_state_dict(state_dict, buckets=buckets)
+        self.layout.check_state_dict(state_dict, buckets=buckets, sending=True)
         if not names:
             return
         sources = [state_dict[n].detach() for n in names]
