@@ -183,8 +183,9 @@ def test_a_trainer_killed_during_a_background_sync_is_reported_by_the_next_call(
         ray.get(trainer.configure.remote(publish_delay=30.0), timeout=60)  # killed while snapshotting
         handle = group.sync_weights(block=False)
         ray.kill(trainer)
+        assert handle.wait()  # failed in the background; nobody has looked at it yet
         with pytest.raises(TrainWorkerDiedError, match="trainer 0"):
-            group.sync_weights(block=False)
+            group.sync_weights(block=False)  # the next call says so
         with pytest.raises(TrainWorkerDiedError):
             handle.result()
         assert group.eval_weight_versions() == [1]

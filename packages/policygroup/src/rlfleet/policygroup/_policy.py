@@ -41,6 +41,9 @@ class PolicyRole(str, enum.Enum):
 
 
 ROLE_NAMES = {PolicyRole.TRAIN: "trainer", PolicyRole.EVAL: "rollout worker"}  # in messages
+#: The keyword `PolicyGroup.train` adds once it asked a trainer for snapshots (non-blocking syncs):
+#: how many; `train` takes it off and the optimizer's fence waits until that many were taken.
+SNAPSHOTS_ASKED = "_rlfleet_snapshots"
 
 
 class WorkerCalls(
@@ -252,6 +255,9 @@ class BasePolicy(WorkerCalls):
         return len(data) if hasattr(data, "__len__") else 1
 
     def train(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        asked = kwargs.pop(SNAPSHOTS_ASKED, None)
+        if asked is not None:  # the group's non-blocking syncs asked this many snapshots so far
+            self._snapshots.expect(int(asked))
         if self.role != PolicyRole.TRAIN:
             raise RuntimeError(f"train() called on {self._who()}")
         if self.optimizer is None:

@@ -21,7 +21,7 @@ import ray
 from rlfleet.placement import CostModel, Placement, SyncPlan, SyncReport, SyncStep
 from rlfleet.policygroup._batched import BatchedData
 from rlfleet.policygroup._config import PolicyConfig, TrainConfig
-from rlfleet.policygroup._policy import PolicyRole
+from rlfleet.policygroup._policy import SNAPSHOTS_ASKED, PolicyRole
 from rlfleet.policygroup.driver._calls import Calls, Policy, Roster, finished
 from rlfleet.policygroup.driver._membership import Membership
 from rlfleet.policygroup.driver._rollout import Rollouts
@@ -267,10 +267,11 @@ class PolicyGroup:
         ``wall_phases`` and ``predicted_wall_seconds``; ``serving_stall_seconds``); None when
         there is no rollout worker.
 
-        ``block=False`` (async RL): returns a handle once every sending trainer has queued its
-        snapshot of the version; the steps and the rolling apply run in the background.
-        ``handle.snapshot_done()`` waits for the snapshots (a trainer's optimizer step waits for
-        them anyway: forward and backward overlap the copy); ``handle.result()`` is the report.
+        ``block=False`` (async RL): returns a handle at once, having asked each sending trainer
+        for a snapshot of the version (its next `train` waits for it before the optimizer step:
+        forward and backward overlap the copy); the steps and the rolling apply run in the
+        background. ``handle.snapshot_done()`` waits for the snapshots; ``handle.result()`` is
+        the report.
         A version still waiting when a newer one is snapshotted is skipped (the newer report's
         ``skipped_versions``); a failure nobody collected is raised by the next sync call. Call
         it between training steps, not during one.
@@ -354,7 +355,11 @@ class PolicyGroup:
 
     def train(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         submit = self._train_task_submitter.submit
-        calls = [(p, finished(submit(p.train, *args, **kwargs))) for p in self.train_list]
+        calls = []
+        for p in self.train_list:  # a trainer asked for snapshots updates only once it took them
+            asked = self._background.asked(p)
+            extra: dict[str, Any] = {} if asked is None else {SNAPSHOTS_ASKED: asked}
+            calls.append((p, finished(submit(p.train, *args, **kwargs, **extra))))
         results = self._calls.gather(calls, self.config.rpc_timeout_s, "train")
         self._calls.raise_failures(self.train_list, results, "train")
         info: dict[str, float] = results[0][0]
@@ -426,7 +431,9 @@ class PolicyGroup:
 
     # ================================================================== shutdown
     def shutdown(self) -> None:
-        """Release node buffers on every worker; kill the actors and placement groups this group owns."""
+        """Release node buffers on every worker; kill the actors and placement groups this group owns
+        (background syncs first finish, within ``sync_timeout_s``)."""
+        self._background.quiesce(self.config.sync_timeout_s)
         everyone = self.train_list + self.eval_list
         self._calls.gather(
             [(p, self._calls.invoke(p, "release_weight_buffers")) for p in everyone], 30, "shutdown"

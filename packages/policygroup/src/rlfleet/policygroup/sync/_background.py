@@ -3,12 +3,13 @@ snapshot now, the steps and the rolling apply in the background, the newest vers
 
 A call reserves the next version and tells each trainer that sends in the current plan to take
 its snapshot (``sync_snapshot``: the node writer's publish into the node buffer's free slot, a
-private copy for a broadcast or CUDA IPC sender); it returns once every trainer queued it, so a
-`train` call that follows cannot update the weights before the snapshot is taken (the trainer's
-optimizer waits for it). weightsync's `SendPipeline` then runs one sync at a time on a thread of
-the driver; a version still waiting when a newer one is snapshotted is skipped (the report of
-the version sent lists it). A failure that no caller collected with ``result()`` is raised by
-the next sync call of the group.
+private copy for a broadcast or CUDA IPC sender), and returns without waiting for an answer.
+The group counts the snapshots it asked of each trainer and its next `train` call says how many
+(`asked`): the trainer's optimizer waits until that many arrived and were taken, so an update
+never lands in a snapshot, whatever order Ray delivers the two calls in. weightsync's
+`SendPipeline` then runs one sync at a time on a thread of the driver; a version still waiting
+when a newer one is snapshotted is skipped (the report of the version sent lists it). A failure
+that no caller collected with ``result()`` is raised by the next sync call of the group.
 """
 
 from __future__ import annotations
@@ -41,15 +42,29 @@ class BackgroundSyncs:
         self.pipeline: SendPipeline[SyncReport | None] = SendPipeline("policy group sync")
         self._submit = threading.Lock()  # one version reserved and snapshotted at a time
         self._asked: list[int] = []  # versions snapshotted, not sent yet
+        self._counts: dict[Any, int] = {}  # snapshots asked of each trainer (by worker id)
+        self._senders: tuple[Any, list[tuple[Policy, tuple[str, ...]]]] | None = None  # per plan
 
     @property
     def busy(self) -> bool:
         return self.pipeline.busy
 
+    def quiesce(self, timeout_s: float) -> None:
+        """Let the background syncs finish, their failures left to their handles (shutdown)."""
+        try:
+            self.pipeline.drain(Deadline(timeout_s))
+        except TimeoutError:
+            pass
+
     def settle(self, timeout_s: float) -> None:
         """Before a blocking sync: an uncollected failure is raised, then the background drains."""
         self.pipeline.raise_failed()
         self.pipeline.drain(Deadline(timeout_s))
+
+    def asked(self, policy: Policy) -> int | None:
+        """How many snapshots were asked of trainer `policy` (None: none, the blocking syncs only)."""
+        with self._submit:
+            return self._counts.get(self.sync.roster.wid(policy))
 
     def senders(self) -> list[tuple[Policy, tuple[str, ...]]]:
         """The trainers the current plan reads weights from, with the snapshot each takes."""
@@ -59,13 +74,17 @@ class BackgroundSyncs:
                 plan = self.sync.replan()
         if plan is None:
             raise PolicyGroupError("sync_weights: call init_placement_info() and init_weight_buffer() first")
+        if self._senders is not None and self._senders[0] is plan:
+            return self._senders[1]
         by_pid, roster = self.sync.processes.by_pid(), self.sync.roster
         kinds: dict[str, set[str]] = {}
         for call in placement.schedule_calls(plan):
             policy = by_pid.get(call.pid)
             if call.kind in SNAPSHOT_OF and policy is not None and roster.is_trainer(policy):
                 kinds.setdefault(call.pid, set()).add(SNAPSHOT_OF[call.kind])
-        return [(by_pid[pid], tuple(sorted(k))) for pid, k in sorted(kinds.items())]
+        found = [(by_pid[pid], tuple(sorted(k))) for pid, k in sorted(kinds.items())]
+        self._senders = (plan, found)
+        return found
 
     def submit(self) -> PublishHandle[SyncReport | None]:
         """Reserve the next version, have the sending trainers queue its snapshot, and return."""
@@ -77,25 +96,36 @@ class BackgroundSyncs:
             deadline_at = time.time() + config.sync_timeout_s
             senders = self.senders() if self.sync.roster.eval_list else []
 
-            def start(slot: int) -> None:  # each sender has it queued before we return
-                args = [(p, (version, slot, list(k), deadline_at)) for p, k in senders]
-                self._all("sync_snapshot", args, f"snapshot of v{version}", config.rpc_timeout_s)
+            asks: list[tuple[Policy, Any]] = []
+
+            def start(slot: int) -> None:  # asked, not waited for: `train` passes the count on
+                for p, kinds in senders:
+                    asks.append(
+                        (p, self.calls.invoke(p, "sync_snapshot", version, slot, list(kinds), deadline_at))
+                    )
+                    wid = self.sync.roster.wid(p)
+                    self._counts[wid] = self._counts.get(wid, 0) + 1
 
             def snapshot(_slot: int) -> None:
                 left = max(0.0, deadline_at - time.time())
-                args = [(p, (version, left)) for p, _ in senders]
-                self._all("wait_snapshot", args, f"snapshot of v{version}", left + 5.0)
+                self._check(asks, f"snapshot of v{version}", left + 5.0)
+                waits = [(p, self.calls.invoke(p, "wait_snapshot", version, left)) for p, _ in senders]
+                self._check(waits, f"snapshot of v{version}", left + 5.0)
 
             self._asked.append(version)
+            # eager: the steps begin at once (liveness, wiring, the plan's calls overlap the
+            # copy); a trainer's step reads its snapshot only once it is taken
             return self.pipeline.submit(
-                version, Deadline(config.sync_timeout_s), snapshot, lambda _slot: self._send(version), start
+                version,
+                Deadline(config.sync_timeout_s),
+                snapshot,
+                lambda _slot: self._send(version),
+                start,
+                eager=True,
             )
 
-    def _all(
-        self, method: str, args: list[tuple[Policy, tuple[Any, ...]]], what: str, timeout: float
-    ) -> None:
-        """`method` on every policy at once, each with its arguments; raise for a failure."""
-        calls = [(p, self.calls.invoke(p, method, *a)) for p, a in args]
+    def _check(self, calls: list[tuple[Policy, Any]], what: str, timeout: float) -> None:
+        """Wait for `calls` (bounded) and raise for a failure, a dead trainer first."""
         results = self.calls.gather(calls, timeout, what)
         self.calls.raise_failures([p for p, _ in calls], results, what)
 

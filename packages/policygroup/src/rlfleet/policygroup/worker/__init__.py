@@ -3,7 +3,8 @@
 
 Communication groups (`CommGroupCalls`), the timed weight calls a sync plan runs
 (`WeightCalls`), weights, training state and checkpoints (`StateCalls`), reference log-probs
-(`ReferenceCalls`), device facts and profiling (`DeviceCalls`), offload (`OffloadCalls`).
+(`ReferenceCalls`), device facts and profiling (`DeviceCalls`), offload (`OffloadCalls`); a
+trainer's snapshots for non-blocking syncs (`TrainerSnapshots`).
 """
 
 from rlfleet.policygroup.worker._checkpoints import Checkpoints
@@ -21,6 +22,7 @@ from rlfleet.policygroup.worker._host import WorkerHost
 from rlfleet.policygroup.worker._reference import ReferenceCalls, reference_logprobs
 from rlfleet.policygroup.worker._resources import DeviceCalls, OffloadCalls
 from rlfleet.policygroup.worker._settings import BufferSettings, WorkerSettings
+from rlfleet.policygroup.worker._snapshots import TrainerSnapshots
 from rlfleet.policygroup.worker._state import StateCalls
 from rlfleet.policygroup.worker._weight_calls import STEP_CALLS, WeightCalls
 
@@ -36,6 +38,7 @@ __all__ = [
     "ReferenceCalls",
     "StateCalls",
     "Timings",
+    "TrainerSnapshots",
     "WeightCalls",
     "WorkerComm",
     "WorkerHost",

@@ -50,6 +50,8 @@ class TrainerSnapshots:
         self._jobs: dict[int, _Job] = {}  # version -> its snapshot (the two newest kept)
         self._worker: threading.Thread | None = None
         self._copies: WeightSnapshot | None = None
+        self._received = 0  # snapshot requests that arrived
+        self._expected = 0  # requests the group says it sent (`expect`)
 
     def start(
         self,
@@ -61,6 +63,9 @@ class TrainerSnapshots:
         publish: Callable[[int, float], object],
     ) -> None:
         """Queue the snapshot of `version` (returns at once; the fence sees it from now on)."""
+        with self._cond:  # arrived, even if refused below: the fence must not wait for it
+            self._received += 1
+            self._cond.notify_all()
         bad = sorted(set(kinds) - set(SNAPSHOT_KINDS))
         if bad or not kinds:
             raise ValueError(f"{self.who()}: snapshot kinds must be some of {SNAPSHOT_KINDS}, got {kinds!r}")
@@ -152,15 +157,25 @@ class TrainerSnapshots:
             )
         return True
 
-    def fence(self, deadline: Deadline) -> None:
-        """Wait until every queued snapshot was taken (before changing the weights)."""
+    def expect(self, asked: int) -> None:
+        """The group asked `asked` snapshots so far: the fence also waits for those not arrived."""
         with self._cond:
-            deadline.wait(self._cond, f"{self.who()}: waiting for weight snapshots", lambda: not self._queue)
+            self._expected = max(self._expected, asked)
+
+    def fence(self, deadline: Deadline) -> None:
+        """Wait until every snapshot asked for arrived and was taken (before changing the weights)."""
+        with self._cond:
+            deadline.wait(
+                self._cond,
+                f"{self.who()}: waiting for weight snapshots ({self._received} of {self._expected} arrived)",
+                lambda: not self._queue and self._received >= self._expected,
+            )
 
     @property
     def pending(self) -> int:
+        """Snapshots queued or asked for and not arrived yet."""
         with self._cond:
-            return len(self._queue)
+            return len(self._queue) + max(0, self._expected - self._received)
 
     def release(self) -> None:
         with self._cond:

@@ -109,7 +109,7 @@ class WeightCalls(WorkerHost):
         """A non-blocking sync's first call on a sending trainer: queue the snapshot of `version`
         into snapshot `slot` ("publish": into the node buffer; "copy": a private copy) and return
         at once (when it was queued): from now on `wait_for_weight_snapshot` waits for it."""
-        left = left_until(deadline_at, f"snapshot of v{version}")
+        left = max(0.0, deadline_at - time.time())  # a passed deadline fails the snapshot, counted
         self._snapshots.start(
             version, slot, tuple(kinds), Deadline(left), lambda: self.model, self.publish_shared
         )
