@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import weightsync_dist_workers as w
 import writing_loader_workers as wl
 
-from rlfleet.weightsync import LoadWeightsConsumer, checksum, feed
+from rlfleet.weightsync import LoadWeightsConsumer, SharedBuffer, SharedBufferReader, checksum, feed
 
 
 @pytest.mark.timeout(200)
@@ -44,3 +45,27 @@ def test_memory_of_its_own_is_handed_over_as_it_is() -> None:
     assert checksum(engine.seen) == checksum(w.make_state(1))
     trusting = LoadWeightsConsumer(consumer.layout, engine.load_weights, mode="stream", writes_inputs=False)
     assert trusting.writes_inputs is False
+
+
+def test_a_loader_that_keeps_what_it_was_handed_until_later_sees_each_bucket_intact() -> None:
+    """vLLM's layerwise reload holds a layer's tensors until the layer is complete: the private
+    copies of lent buckets must not be reused for the next bucket."""
+    state = w.make_state(3)
+    layout = w.layout_of(state, 4096)  # several buckets
+    assert len(layout.buckets) > 2
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep(weights: Any) -> None:
+        for name, tensor in weights:
+            kept[name] = tensor  # a reference, read only at the end
+
+    with SharedBuffer(layout, 1) as node:
+        node.publish(state, 3, 30.0)
+        reader = SharedBufferReader.attach(node.name)
+        try:
+            consumer = LoadWeightsConsumer(layout, keep, mode="stream")
+            reader.copy_version(3, consumer, 30.0)
+        finally:
+            reader.close()
+    assert consumer.copied_bytes == layout.padded_bytes  # lent memory: copied first
+    assert checksum(kept) == checksum(state)
