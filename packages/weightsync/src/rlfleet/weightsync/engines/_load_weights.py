@@ -25,9 +25,10 @@ what a failure costs:
   shared-memory mapping of ShmRing, the node buffer's `copy_version` or CUDA IPC host slots,
   where a write is SIGSEGV; another process's IPC slot on a GPU). Such a bucket is copied into
   a private buffer of its own first (`copied_bytes`; a fresh one per bucket, as a loader may
-  keep what it was handed until a later call), one more copy of the wire bytes (512 MiB from a node buffer into a load_weights that copies each tensor into its
-  parameters: 0.63 s instead of 0.32 s on the 2-core box). ``writes_inputs=False`` says the
-  engine never writes them and skips that copy.
+  keep what it was handed until a later call), one more copy of the wire bytes (512 MiB from a
+  node buffer into a load_weights that copies each tensor into its parameters: 0.63 s instead
+  of 0.32 s on the 2-core box). ``writes_inputs=False`` says the engine never writes them and
+  skips that copy.
 
 Either way a partly loaded engine is never reported as holding a version: `version` moves only
 when ``load_weights`` and ``finalize`` both returned. The transport's receive raises its own
