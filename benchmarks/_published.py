@@ -20,7 +20,11 @@ Cost terms used for every system (sources in ``rlfleet/placement/_profiles.py``)
 
 Fully published rows (their setup and plan are public, so the prediction can be checked):
 checkpoint-engine Kimi-K2 and DeepSeek-V3.1 on 256 H20, verl Qwen3-30B-A3B on 4x8 H100, NeMo RL
-DeepSeek-V3 broadcast and nccl_reshard on 64x8 H100. Not fully published: Awex (cluster shape,
+DeepSeek-V3 broadcast and nccl_reshard on 64x8 H100; from the state-of-the-art notes (section 3,
+issue 27): verl ``delta_sharded`` Qwen3-235B-A22B priced with its published delta size, vLLM's
+sharded RDT transfer of Kimi-K2 and Qwen3-235B-A22B, SGLang's RDMA P2P update of Kimi-K2 and
+Qwen3-235B-A22B, and prime-rl's NIXL pull of GLM-5.2 (each row states what it assumes where the
+setup leaves a term open). Not fully published: Awex (cluster shape,
 parallelism and tensor counts unstated) and Perplexity (the inference parallelism is unstated);
 they are shown with their assumptions and left out of ``worst_published_over_predicted``.
 
@@ -272,6 +276,158 @@ def awex(label: str, total: float, published: float, gen_tp: int) -> Row:
     )
 
 
+# -- section 3 of the state-of-the-art notes: sharded point-to-point and delta syncs ---------------
+QWEN3_235B = 470e9  # bf16: 94 layers, hidden 4096, 128 experts of 3 x 4096 x 1536, 151,936 tokens
+QWEN3_235B_EXPERTS = 454e9  # the experts' share of it (94 x 128 x 3 x 4096 x 1536 x 2 B)
+
+
+def moe_rank_tensors(layers: int, dense_per_layer: int, experts_here: int, per_expert: int = 3) -> int:
+    """Tensors one expert-parallel rank loads: every layer's non-expert tensors and its experts'."""
+    return layers * (dense_per_layer + per_expert * experts_here)
+
+
+def verl_delta() -> Row:
+    """verl ``delta_sharded`` (NCCL), Qwen3-235B-A22B: 64 training ranks (veomni EP8 x FSDP8, 8
+    nodes) -> SGLang TP16 (2 nodes), H100. Each rank gathers its FSDP8 group's full tensors over
+    NVLink and compares them with the previous version in bf16; the changed elements of every
+    tensor go to rank 0, which packs them into flushes and broadcasts each to the 16 SGLang ranks,
+    where every rank applies each tensor's delta to its slice, tensor by tensor. Published with
+    its delta: 78-702 MB of about 470 GB."""
+    cost = HARDWARE_PROFILES["H100"]
+    tensors = qwen3_moe_tensors(94, 128)
+    delta = 702e6  # the larger published delta
+    gather = QWEN3_235B / 8 / cost.wire_rate(cross_node=False, gpu=True)
+    trainer = moe_rank_tensors(94, 9, 16) * cost.per_tensor_s
+    rank0 = tensors * cost.per_tensor_s + delta / cost.wire_rate(cross_node=True, gpu=True, nics=1)
+    wire = delta / broadcast_rate(cost)
+    apply = tensors * cost.per_tensor_s + QWEN3_235B / 16 / cost.load_bytes_per_s
+    predicted = gather + trainer + rank0 + wire + apply
+    ours, bound = ours_reshard(QWEN3_235B, "bfloat16", 2, {"tp": 8, "dp": 8}, {"tp": 16}, False)
+    return Row(
+        "verl delta",
+        f"Qwen3-235B-A22B bf16 deltas ({delta / 1e6:.0f} MB of {QWEN3_235B:.3g} B, {tensors:,} tensors), "
+        "64 H100 EP8xFSDP8 -> SGLang TP16",
+        (11.4, 14.9),
+        "volcengine/verl PR #7085 (delta_sharded; nccl 246-266 s)",
+        predicted,
+        ours,
+        bound,
+        True,
+        "rank 0's packing, the broadcast and the receivers' apply run one after the other per flush "
+        "(NCCL on one stream); ours and the bound are for the full version",
+        {"gather": gather, "trainer": trainer, "rank0": rank0, "wire": wire, "apply": apply},
+    )
+
+
+def vllm_rdt(model: str) -> Row:
+    """vLLM ``sharded_rdt`` (NIXL pull through Ray RDT): every receiving rank pulls exactly the
+    byte ranges of its shard from the training ranks holding them, the pipeline stages one after
+    the other (their staging buffers would not fit at once), the layerwise reload applying
+    tensors as they land (V3: pipelined)."""
+    cost = HARDWARE_PROFILES["H100"]
+    nic = cost.wire_rate(cross_node=True, gpu=True, nics=1)
+    if model == "Kimi-K2":
+        moved, stages, senders_per_stage = 7.9e12, 8, 32  # 4 replicas x 2 TB; TP8 PP8 EP32 on 256 GPUs
+        tensors = 61 * 7 + 60 * (5 + 3 * 12)  # a TP32 EP32 rank: attention of 61 layers, 12 experts of 60
+        published, setup = (
+            7.53,
+            "Kimi-K2 bf16 (7.9 TB moved), 256 H100 TP8 PP8 EP32 -> 128 H100 vLLM TP32 EP32",
+        )
+        train, gen, total = {"tp": 8, "dp": 32}, {"tp": 32, "dp": 4}, 2.0e12
+    else:
+        per_gpu = QWEN3_235B_EXPERTS / 16 + (QWEN3_235B - QWEN3_235B_EXPERTS)  # DP16 x EP16
+        moved, stages, senders_per_stage = 16 * per_gpu, 2, 8  # Megatron TP4 PP2 EP8 on 16 GPUs
+        tensors = moe_rank_tensors(94, 9, 8)
+        published, setup = 3.49, "Qwen3-235B-A22B bf16, 16 H100 TP4 PP2 EP8 -> vLLM DP16 EP16 (V3)"
+        train, gen, total = {"tp": 4, "dp": 4}, {"tp": 16}, QWEN3_235B
+    per_stage = moved / stages / (senders_per_stage * nic)
+    load = tensors * cost.per_tensor_s
+    predicted = stages * per_stage + load / stages
+    ours, bound = ours_reshard(total, "bfloat16", 2, train, gen, False)
+    return Row(
+        "vLLM RDT",
+        setup,
+        (published, published),
+        "vLLM blog 'sharded weight transfer with RDT' (V1-V3; authors' SoL 1.25 s for Kimi-K2)",
+        predicted,
+        ours,
+        bound,
+        True,
+        "a stage's senders' NICs are the limit (one 400 Gb/s NIC per GPU); the reload of the last "
+        "stage's tensors is not hidden; ours: every training rank holding a slice of every tensor "
+        "(no stage in series)",
+        {"per_stage": per_stage, "load": load},
+    )
+
+
+def sglang_p2p(model: str) -> Row:
+    """SGLang/miles RDMA P2P (Mooncake TE, the ``sglang-miles`` branch): each training rank keeps a
+    CPU replica of one inference rank's engine shard (about 32 GB for Kimi-K2), so it gathers
+    that shard's slices from the other training ranks, copies them to the host and loads them into
+    the replica with the engine's loader on the CPU (quantizing where the engine serves FP8), then
+    RDMA-writes the replica into its inference rank's GPU memory."""
+    cost = HARDWARE_PROFILES["H100"]
+    nic = cost.wire_rate(cross_node=True, gpu=True, nics=1)
+    if model == "Kimi-K2":
+        total, shard, published = 1.0e12, 1.0e12 / 32, 7.23  # FP8, inference TP32 EP32 on 32 nodes
+        tensors = 61 * 7 * 2 + 60 * (5 + 3 * 12) * 2  # with a scale beside every FP8 weight
+        setup = "Kimi-K2 FP8 (1 TB), 32 train nodes TP8 PP8 CP4 EP32 -> 32 inference nodes TP32 EP32"
+        train, gen, dtype, item = {"tp": 8, "dp": 32}, {"tp": 32, "dp": 8}, "float8_e4m3fn", 1
+    else:
+        total, shard, published = QWEN3_235B, QWEN3_235B / 32, 3.16  # 8 + 8 nodes, inference TP32 EP32
+        tensors = moe_rank_tensors(94, 9, 4)
+        setup = "Qwen3-235B-A22B bf16, 8 train nodes -> 8 inference nodes TP32 EP32"
+        train, gen, dtype, item = {"tp": 8, "dp": 8}, {"tp": 32, "dp": 2}, "bfloat16", 2
+    gather = shard / nic
+    d2h = shard / cost.d2h_bytes_per_s
+    replica = shard / cost.memcpy_bytes_per_s + tensors * cost.per_tensor_s
+    write = shard / nic
+    predicted = gather + d2h + replica + write
+    ours, bound = ours_reshard(total, dtype, item, train, gen, False)
+    return Row(
+        "SGLang P2P",
+        setup,
+        (published, published),
+        "LMSYS blog on RDMA P2P weight updates (miles; NCCL 53.28 s / 10.75 s before)",
+        predicted,
+        ours,
+        bound,
+        True,
+        "the CPU replica's load runs at host memcpy speed (10 GB/s) with the engine's per-tensor cost; "
+        "the four stages run one after the other; ours: every training rank holding a slice of every "
+        "tensor",
+        {"gather": gather, "d2h": d2h, "replica": replica, "write": write},
+    )
+
+
+def prime_rl() -> Row:
+    """prime-rl NIXL + ModelExpress, GLM-5.2: 64 training H200 -> 32 inference H200. Each inference
+    rank pulls its 82.5 GB (published) through its NIC, pipelined with vLLM's recorded loader
+    graph applying what landed (#3341); the 'client update' is that pull and apply."""
+    cost = HARDWARE_PROFILES["H200"]
+    per_gpu = 82.5e9
+    tensors = 78 * 7 + 75 * (5 + 3 * 8)  # GLM-5-style MoE at EP32 (assumed: 256 experts, 78 layers)
+    pull = per_gpu / cost.wire_rate(cross_node=True, gpu=True, nics=1)
+    load = tensors * cost.per_tensor_s + per_gpu / cost.load_bytes_per_s
+    buckets = 64
+    predicted = (
+        pipeline_seconds([pull, load], buckets) + buckets * cost.per_bucket_s + cost.control_round_trip_s
+    )
+    return Row(
+        "prime-rl",
+        "GLM-5.2 (82.5 GB per inference GPU), 64 H200 trainers -> 32 H200 vLLM, NIXL pull",
+        (2.84, 2.84),
+        "PrimeIntellect-ai/prime-rl PR #3341 (client update median; 44.26 GB/s per GPU)",
+        predicted,
+        predicted,
+        per_gpu / cost.inter_node_bytes_per_s,
+        True,
+        "GLM-5.2's tensor count per rank is not published (a GLM-5-style MoE at EP32 assumed); "
+        "ours: the same pull (each receiver already takes exactly its bytes)",
+        {"pull": pull, "load": load},
+    )
+
+
 def published_rows() -> list[Row]:
     return [
         checkpoint_engine("Kimi-K2", 1.0e12, deepseek_style_tensors(61, 1, 384, fp8=True), 16.04),
@@ -285,4 +441,10 @@ def published_rows() -> list[Row]:
         awex("10B", 31e9, 0.8, 8),
         awex("100B", 191e9, 9.0, 8),
         awex("1T FP8", 1000e9, 20.0, 16),
+        verl_delta(),
+        vllm_rdt("Kimi-K2"),
+        vllm_rdt("Qwen3-235B"),
+        sglang_p2p("Kimi-K2"),
+        sglang_p2p("Qwen3-235B"),
+        prime_rl(),
     ]

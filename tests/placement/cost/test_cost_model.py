@@ -46,6 +46,21 @@ def test_pipeline_overlaps_stages_bucket_by_bucket() -> None:
     assert pipeline_seconds([], 4) == 0.0
 
 
+def test_a_delta_step_pays_encode_and_apply_per_full_byte_and_the_wire_per_delta_byte() -> None:
+    model = CostModel(delta_encode_bytes_per_s=4e9, delta_apply_bytes_per_s=2e9, per_bucket_s=0.0)
+    # one bucket: the stages add up; 8 GB full, 80 MB of delta on a 1 GB/s wire
+    assert model.delta_seconds(8e9, 8e7, 1e9) == pytest.approx(2.0 + 0.08 + 4.0)
+    assert model.delta_seconds(8e9, 8e7, 1e9, buckets=100) < 4.2  # pipelined: the slowest stage
+    assert model.delta_seconds(8e9, 8e7, 1e9) < 8e9 / 1e9  # beats a full 8 s sync on that wire
+    assert CostModel().delta_seconds(8e9, 8e7, 1e11) > 8e9 / 1e11  # ... but not on a memory-speed one
+    with pytest.raises(CostModelError, match="delta_encode_bytes_per_s"):
+        CostModel(delta_encode_bytes_per_s=0)
+    with pytest.raises(CostModelError, match="byte counts"):
+        model.delta_seconds(-1, 0, 1e9)
+    with pytest.raises(CostModelError, match="wire rate"):
+        model.delta_seconds(1, 0, 0)
+
+
 def test_linear_form_round_trips() -> None:
     model = HARDWARE_PROFILES["H100"]
     again = model.with_linear(model.linear_values(), "same")

@@ -15,7 +15,12 @@ runs below line rate (protocol efficiency). `CostModel` holds one number per ter
 * ``intra_node_bytes_per_s``: one process to another on the same node (NVLink per direction on a
   GPU node, shared memory or loopback on a CPU node); ``inter_node_bytes_per_s``: one NIC, per
   direction; ``nics_per_node``: NICs a node has (NCCL spreads channels over them);
-* ``latency_s``: one hop.
+* ``latency_s``: one hop;
+* ``delta_encode_bytes_per_s``: a sender comparing a version with its base, per byte of the full
+  version (the encoding, the base's update, the digest); ``delta_apply_bytes_per_s``: a receiver
+  rebuilding a delta in its standby copy, per byte of the full version (its base copied there,
+  the changes written, the digest checked). A delta step moves ``delta_bytes`` on the wire and
+  pays both per full byte: it wins where the wire, not memory, is the limit.
 
 A step runs its stages (pack, wire, land) bucket by bucket, so a bucket's stage overlaps the next
 bucket's previous stage: ``pipeline_seconds`` gives ``sum(stages) / n + (n - 1) / n * max(stages)``
@@ -57,6 +62,8 @@ LINEAR_PARAMS: tuple[str, ...] = (
 )
 
 _RATES = (
+    "delta_encode_bytes_per_s",
+    "delta_apply_bytes_per_s",
     "memcpy_bytes_per_s",
     "h2d_bytes_per_s",
     "d2h_bytes_per_s",
@@ -100,6 +107,8 @@ class CostModel:
     latency_s: float = 5e-5
     source: str = DEFAULT_SOURCE
     nics_per_node: int = 1
+    delta_encode_bytes_per_s: float = 2.5e9
+    delta_apply_bytes_per_s: float = 2.5e9
 
     def __post_init__(self) -> None:
         for name in _RATES:
@@ -137,6 +146,23 @@ class CostModel:
         if rate is None:
             raise CostModelError(f"unknown copy kind {kind!r} (memcpy, h2d, d2h, load)")
         return float(nbytes) / float(rate)
+
+    def delta_seconds(
+        self, full_bytes: float, delta_bytes: float, wire_bytes_per_s: float, buckets: int = 1
+    ) -> float:
+        """One delta step: each bucket encoded against the sender's base (per full byte), its
+        delta on the wire, rebuilt on the receiver (per full byte), the three stages pipelined
+        over `buckets` buckets (`pipeline_seconds`)."""
+        if not _finite(full_bytes) or not _finite(delta_bytes) or full_bytes < 0 or delta_bytes < 0:
+            raise CostModelError(f"delta_seconds needs byte counts >= 0, got {full_bytes!r}, {delta_bytes!r}")
+        if not _finite(wire_bytes_per_s) or wire_bytes_per_s <= 0:
+            raise CostModelError(f"delta_seconds needs a positive wire rate, got {wire_bytes_per_s!r}")
+        stages = (
+            float(full_bytes) / self.delta_encode_bytes_per_s,
+            float(delta_bytes) / float(wire_bytes_per_s),
+            float(full_bytes) / self.delta_apply_bytes_per_s,
+        )
+        return pipeline_seconds(stages, buckets) + max(1, buckets) * self.per_bucket_s
 
     def linear_values(self) -> dict[str, float]:
         """This model in `LINEAR_PARAMS` form (what every phase is linear in)."""
