@@ -80,7 +80,7 @@ class Faults:
     def names_in_group(self) -> set[str]:
         raise NotImplementedError
 
-    def build_group(self, strategy: str) -> None:
+    def build_group(self, phase: str) -> None:
         raise NotImplementedError
 
     def maybe_kill(self, cycle: int) -> threading.Timer | None:
@@ -176,7 +176,7 @@ class Faults:
         if newest != unread:
             self.stats["versions_lost"] += 1
 
-    def recover_trainer(self, strategy: str) -> None:
+    def recover_trainer(self, phase: str) -> None:
         """Wait for Ray to restart the trainer, then rebuild the group over it."""
         old = self.group
         assert old is not None
@@ -189,7 +189,7 @@ class Faults:
         with contextlib.suppress(Hung, *CLEAR_ERRORS, self.ray.exceptions.RayError):
             self.bounded("shutdown after a trainer fault", 60, old.shutdown)
         before = old.weight_version
-        self.build_group(strategy)
+        self.build_group(phase)
         assert self.group is not None
         log(f"trainer back, group rebuilt at v{self.group.weight_version} (was v{before})")
         if self.group.weight_version < before:

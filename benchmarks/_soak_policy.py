@@ -23,7 +23,23 @@ DRAIN_TIMEOUT_S = 3.0  # a rolling update waits this long for a worker's request
 SLOW_REQUEST_S = DRAIN_TIMEOUT_S + 2.0  # a request that outlasts the drain (fault "slow_request")
 GROUP_TIMEOUT_S = 10.0
 KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBuffer"}
-PLACES = {"train0": "node0", "eval0": "node0", "eval1": "node0", "eval2": "node1", "eval3": "node1"}
+PLACES = {
+    "train0": "node0",
+    "train1": "node0",  # the second sender of the "Mixed" phase: node1's workers get two shares
+    "eval0": "node0",
+    "eval1": "node0",
+    "eval2": "node1",
+    "eval3": "node1",
+}
+#: Each phase: (buffer strategy, trainers, cuda_ipc). "IPC": node0's readers over the CUDA IPC
+#: channel in host mode; "Mixed": two trainers, each sending its share of every version.
+PHASES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "Double": ("Double", ("train0",), "auto"),
+    "Shared": ("Shared", ("train0",), "auto"),
+    "None": ("None", ("train0",), "auto"),
+    "IPC": ("Double", ("train0",), "host"),
+    "Mixed": ("Double", ("train0", "train1"), "auto"),
+}
 KILLABLE = ("eval1", "eval2", "eval3")
 FAULT_POINTS = ("consume", "stage", "apply", "timer")
 TRAINER_FAULTS = ("writer_publish", "trainer_sigterm")
@@ -136,6 +152,21 @@ class SoakPolicy(BasePolicy):
         self._maybe_die("stage")
         self._hook()
         return super().recv_broadcast(parts, version, timeout_s)
+
+    def recv_ipc(self, channel: str, index: int, version: int, timeout_s: float) -> int:
+        self._maybe_die("stage")
+        self._hook()
+        return super().recv_ipc(channel, index, version, timeout_s)
+
+    def send_broadcast(
+        self, group_id: str, version: int, bucket_bytes: int, timeout_s: float, **kw: Any
+    ) -> int:
+        """The "mixed" fault: this sender announces the next version for its share of this one
+        (as a trainer a step ahead of the others would); receivers must commit nothing."""
+        if self._armed == "mixed":
+            self._armed = None
+            version += 1
+        return super().send_broadcast(group_id, version, bucket_bytes, timeout_s, **kw)
 
     def apply_staged(
         self, version: int | None = None, timeout_s: float | None = None, group_id: str | None = None

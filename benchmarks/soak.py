@@ -3,21 +3,27 @@ killed at random and come back.
 
 Run: hatch run python benchmarks/soak.py [--quick] [--json PATH] [--seed N]
 
-Setup: a 2-node local Ray cluster (node0: trainer, eval0, eval1 | node1: eval2, eval3), so a
-sync moves weights through node0's shared memory and across nodes by broadcast. The cycles are
-split into phases, one per buffer strategy ("Double", "Shared", "None"), each a PolicyGroup
-built over the live actors. Every cycle: one train step, one `sync_weights` (while a client
-thread keeps sending rollout requests), one exact check of every eval policy's weights against
-the trainer's (checksums and versions). Now and then a random eval worker (not eval0) is killed
-with SIGKILL: at a random fault point inside the sync (after its first received bucket, at
-staging, at its swap) or by a timer at a random moment of the sync; or it is armed to fail its
-commit (its buffer cannot ready the commit, as when a request holds the serving lock): the sync
-fails on every rank with a clear error, the previous version stays, and the next sync, run at
-once, must go through. Or one of its requests is made to outlast the rolling update's drain
-("slow_request"): that worker keeps serving the previous version, routable, and the next apply
-swaps it. Ray restarts it; once it
-answers again it rejoins the group (placement, buffers and communication groups rebuilt) and
-the next sync brings it to the current version.
+Setup: a 2-node local Ray cluster (node0: trainer, eval0, eval1, and train1, used in the "Mixed"
+phase only | node1: eval2, eval3), so a sync moves weights through node0's shared memory and
+across nodes by broadcast (from both trainers, a share each, in the "Mixed" phase). The cycles are
+split into phases ("Double", "Shared", "None"; "IPC": "Double" with node0's readers on the CUDA
+IPC channel in host mode; "Mixed": "Double" with two trainers, each sending its share of every
+version), each a PolicyGroup built over the live actors. Every cycle: one train step, one
+`sync_weights` (while a client thread keeps sending rollout requests), one exact check of every
+eval policy's weights against the trainer's (checksums and versions). Now and then a random eval
+worker (not eval0) is killed with SIGKILL: at a random fault point inside the sync (after its
+first received bucket, at staging, at its swap) or by a timer at a random moment of the sync; or
+it is armed to fail its commit (its buffer cannot ready the commit, as when a request holds the
+serving lock): the sync fails on every rank with a clear error, the previous version stays, and
+the next sync, run at once, must go through. Or one of its requests is made to outlast the
+rolling update's drain ("slow_request"): that worker keeps serving the previous version,
+routable, and the next apply swaps it. Ray restarts it; once it answers again it rejoins the
+group (placement, buffers and communication groups rebuilt) and the next sync brings it to the
+current version.
+
+In the "Mixed" phase, now and then trainer 1 announces the next version for its share of this
+one (a sender a step ahead): no rollout worker may commit that mix; the sync fails cleanly and
+the next one goes through.
 
 Trainer faults (every 50 cycles, 8 in `--quick`; `_soak_faults`): the node writer SIGKILLed
 publishing into the newest slot ("Shared"), SIGTERM of the trainer mid-sync (other phases); the
@@ -68,6 +74,7 @@ from _soak_policy import (
     GROUP_TIMEOUT_S,
     KIND,
     OBS_DIM,
+    PHASES,
     PLACES,
     RPC_TIMEOUT_S,
     SYNC_TIMEOUT_S,
@@ -91,6 +98,7 @@ class Soak(Faults):
         self.cycles = 40 if args.quick else 500
         self.requests = 800 if args.quick else 10_000
         self.kill_every = 8 if args.quick else 20
+        self.mixed_every = 4 if args.quick else 10
         self.trainer_fault_every, self.trainer_fault_at = (8, 0) if args.quick else (50, 25)
         self.points = (*FAULT_POINTS, "commit", "slow_request")
         self.pool = concurrent.futures.ThreadPoolExecutor(4)
@@ -142,10 +150,11 @@ class Soak(Faults):
             raise Hung(what) from None
 
     # -- cluster and actors ---------------------------------------------------------------
-    def config(self, strategy: str) -> PolicyConfig:
+    def config(self, phase: str) -> PolicyConfig:
+        strategy, _, cuda_ipc = PHASES[phase]
         return PolicyConfig(
             weight_buffer=WeightBufferConfig(
-                type=KIND[strategy], buffer_strategy=strategy, bucket_bytes=4096
+                type=KIND[strategy], buffer_strategy=strategy, bucket_bytes=4096, cuda_ipc=cuda_ipc
             ),
             rollout_mode="async",
             router_type="least_load",
@@ -162,7 +171,7 @@ class Soak(Faults):
                 num_cpus=0, max_concurrency=16, max_restarts=-1, max_task_retries=0, resources={node: 1}
             ).remote(
                 config=self.config("Double"),
-                role="train" if name == "train0" else "eval",
+                role="train" if name.startswith("train") else "eval",
                 index=int(name[-1]),
             )
         self.ray.get([a.is_alive.remote() for a in self.actors.values()], timeout=300)
@@ -188,27 +197,32 @@ class Soak(Faults):
     def names_in_group(self) -> set[str]:
         assert self.group is not None
         members = self.group.eval_list
-        return {n for n, a in self.actors.items() if n != "train0" and any(a is p for p in members)}
+        return {n for n, a in self.actors.items() if n.startswith("eval") and any(a is p for p in members)}
 
     # -- groups ---------------------------------------------------------------------------
-    def build_group(self, strategy: str) -> None:
+    def build_group(self, phase: str) -> None:
+        _, trainers, _ = PHASES[phase]
         evals = [n for n in ("eval0", "eval1", "eval2", "eval3") if self.alive_now(n, wait=5.0)]
-        group = PolicyGroup([self.actors["train0"]], [self.actors[n] for n in evals], self.config(strategy))
+        train = [self.actors[t] for t in trainers]
+        group = PolicyGroup(train, [self.actors[n] for n in evals], self.config(phase))
         self.uids.append(group.buffer_prefix)
 
         step = ["init"]
 
         def wire() -> None:
-            group.init(TrainConfig(lr=1e-3))
+            group.init(TrainConfig(lr=1e-3))  # fresh optimizers: replicas step alike from here
+            if len(train) > 1:  # data-parallel replicas start from trainer 0's weights
+                state = self.ray.get(train[0].get_state_dict.remote(), timeout=RPC_TIMEOUT_S)
+                self.ray.get([t.load_state_dict.remote(state) for t in train[1:]], timeout=RPC_TIMEOUT_S)
             for n in evals:
                 self.actors[n].arm.remote(None)
             for step[0], args in WIRING:
                 getattr(group, step[0])(*args)
 
         try:
-            self.bounded(f"build {strategy} group over {evals}", 4 * RPC_TIMEOUT_S, wire)
+            self.bounded(f"build {phase} group over {evals}", 4 * RPC_TIMEOUT_S, wire)
         except Hung:
-            log(f"building the {strategy} group over {evals} hung at {step[0]}")
+            log(f"building the {phase} group over {evals} hung at {step[0]}")
             raise
         self.group = group
         self.version_floor = group.weight_version
@@ -349,23 +363,36 @@ class Soak(Faults):
         return out
 
     # -- the run --------------------------------------------------------------------------
-    def cycle(self, cycle: int, strategy: str) -> None:
+    def cycle(self, cycle: int, phase: str) -> None:
         group = self.group
         assert group is not None
+        strategy = PHASES[phase][0]
         self.rejoin()
         self.bounded("train", RPC_TIMEOUT_S + 10, group.train, None, seed=cycle)
         timer = self.maybe_kill(cycle)
-        trainer_fault = self.trainer_fault_due(cycle, strategy)
+        mixed = phase == "Mixed" and cycle % self.mixed_every == self.mixed_every // 2
+        if mixed:  # trainer 1 announces the next version for its share of this one
+            self.ray.get(self.actors["train1"].arm.remote("mixed"), timeout=RPC_TIMEOUT_S)
+            self.stats["mixed_injected"] += 1
+        trainer_fault = None if mixed else self.trainer_fault_due(cycle, strategy)
         sigterm = self.sigterm_trainer() if trainer_fault == "trainer_sigterm" else None
         start = time.perf_counter()
         try:
             self.bounded("sync_weights", 2 * SYNC_TIMEOUT_S + 3 * RPC_TIMEOUT_S, group.sync_weights)
             self.sync_seconds.append(time.perf_counter() - start)
             self.stats["syncs"] += 1
+            if mixed:  # a version made of two senders' different versions went through
+                self.stats["mixed_committed"] += 1
+                log(f"cycle {cycle}: MIXED VERSIONS COMMITTED")
         except CLEAR_ERRORS as exc:
-            self.stats["sync_errors_clear"] += 1
-            log(f"cycle {cycle}: sync failed cleanly: {type(exc).__name__}: {str(exc)[:300]}")
-            self.sync_again(cycle)
+            what = f"{type(exc).__name__}: {str(exc)[:300]}"
+            if trainer_fault is not None:  # the trainer is going: the rebuilt group's sync is the retry
+                self.stats["sync_errors_trainer_fault"] += 1
+                log(f"cycle {cycle}: sync failed cleanly under a trainer fault: {what}")
+            else:
+                self.stats["sync_errors_clear"] += 1
+                log(f"cycle {cycle}: sync failed cleanly: {what}")
+                self.sync_again(cycle)
         finally:
             for t in (timer, sigterm[0] if sigterm else None):
                 if t is not None:
@@ -375,7 +402,7 @@ class Soak(Faults):
         elif trainer_fault == "writer_publish":
             self.kill_writer_mid_publish()
         if trainer_fault is not None:
-            self.recover_trainer(strategy)
+            self.recover_trainer(phase)
         self.verify(cycle)
         assert self.group is not None
         self.version_floor = self.group.weight_version
@@ -425,16 +452,17 @@ class Soak(Faults):
             watcher.start()
             log(f"cluster and actors up in {time.monotonic() - t0:.1f}s")
             t_run = time.monotonic()
-            phases = ["Double", "Shared", "None"]
-            per_phase = [self.cycles // 3 + (i < self.cycles % 3) for i in range(3)]
+            phases = list(PHASES)
+            n_phases = len(phases)
+            per_phase = [self.cycles // n_phases + (i < self.cycles % n_phases) for i in range(n_phases)]
             warmup = max(5, self.cycles // 10)
             done = 0
-            for strategy, n in zip(phases, per_phase, strict=True):
-                self.build_group(strategy)
+            for phase, n in zip(phases, per_phase, strict=True):
+                self.build_group(phase)
                 self.phase_progress = (0, n)
                 self.start_client(round(self.requests * n / self.cycles))
                 for i in range(n):
-                    self.cycle(done, strategy)
+                    self.cycle(done, phase)
                     done += 1
                     self.phase_progress = (i + 1, n)
                     if done == warmup:
@@ -442,7 +470,7 @@ class Soak(Faults):
                         rss_warm = self.rss()
                     if done % max(1, self.cycles // 10) == 0:
                         log(
-                            f"{done}/{self.cycles} cycles ({strategy}), {self.stats['requests_answered']} "
+                            f"{done}/{self.cycles} cycles ({phase}), {self.stats['requests_answered']} "
                             f"answered, {self.stats['kills']} kills, {self.stats['rejoins']} rejoins"
                         )
                 self.join_client(finish=True)
@@ -477,7 +505,8 @@ class Soak(Faults):
         s = self.stats
         both = [k for k in warm if k in end]
         growth = {k: 100.0 * (end[k] - warm[k]) / warm[k] for k in both}
-        workers = {k: v for k, v in growth.items() if k != "driver"}
+        # train1 idles until the last phase: its growth is its first use, not a leak
+        workers = {k: v for k, v in growth.items() if k != "driver" and not k.startswith("train1:")}
         worst = max(workers, key=workers.__getitem__) if workers else "none"
         answered_or_clear = s["requests_answered"] + s["requests_failed_clear"]
         total = answered_or_clear + s["requests_lost"]
@@ -498,7 +527,9 @@ class Soak(Faults):
             ),
             "verifications_passed": claim(s["verifications_passed"] if checks else nan, checks, "checks"),
             "requests_lost": claim(s["requests_lost"] if total else nan, 0, "requests", **lower),
-            "sync_cycles": claim(s["syncs"] + s["sync_errors_clear"], self.cycles, "cycles"),
+            "sync_cycles": claim(
+                s["syncs"] + s["sync_errors_clear"] + s["sync_errors_trainer_fault"], self.cycles, "cycles"
+            ),
             "rollout_requests": claim(total, self.requests, "requests"),
             "requests_answered": claim(s["requests_answered"], None, "requests"),
             "requests_retried": claim(s["requests_retried"], None, "retries (clear, retryable errors)"),
@@ -508,6 +539,12 @@ class Soak(Faults):
                 sum(d > SYNC_TIMEOUT_S for d in self.all_draining), 0, "times every worker drained", **lower
             ),
             "all_draining_max_s": claim(max(self.all_draining, default=0.0), None, "s"),
+            "mixed_versions_committed": claim(
+                s["mixed_committed"],
+                0,
+                f"syncs (of {s['mixed_injected']} with senders a version apart)",
+                **lower,
+            ),
             "eval_kills": claim(s["kills"], None, "kills"),
             "eval_rejoins": claim(s["rejoins"], None, "rejoins"),
             "trainer_faults": claim(
@@ -517,7 +554,11 @@ class Soak(Faults):
                 f"{s['trainer_faults_sigterm']} SIGTERM holding {s['sigterm_segments_held']} segments), "
                 f"{s['trainer_recoveries']} recovered",
             ),
-            "sync_errors_clear": claim(s["sync_errors_clear"], None, "syncs"),
+            "sync_errors_clear": claim(
+                s["sync_errors_clear"],
+                None,
+                f"syncs (+{s['sync_errors_trainer_fault']} under a trainer fault)",
+            ),
             "syncs_after_a_failed_sync_ok": claim(
                 s["syncs_after_a_failed_sync"],
                 s["sync_errors_clear"],
