@@ -16,6 +16,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "examples" / "recipes"
     ("script", "expect"),
     [
         ("weightsync_two_processes.py", "weights identical to the trainer's: True"),
+        ("weightsync_delta_bf16.py", "bf16 weights identical to the trainer's: True"),
         ("routing_async_server.py", "in flight at the end: 0"),
         ("placement_draw_plan.py", "wrote"),
     ],

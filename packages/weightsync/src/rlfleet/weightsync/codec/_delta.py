@@ -7,7 +7,8 @@ computed from the count of changed words before anything is written:
 
 - ``sparse``: the changed words' indices (int32) then their new values: 6 bytes per change;
 - ``bitmap``: one bit per word then the new values: 1/16 of the bucket plus 2 bytes per change,
-  smaller once more than 1 word in 32 changed.
+  smaller once more than 1 word in 32 changed, and picked once it is half the size (its decode
+  scans every word, ``sparse``'s only the changes).
 
 A bucket whose delta is not smaller than ``max_fraction`` of its full size travels ``full``.
 Measured on fp32 AdamW weights synced as bf16 (`benchmarks/delta.py`), about 1% of the words
@@ -16,9 +17,10 @@ little on top of that and cost a pass of their own, so none is used.
 
 `bucket_digest` is what a receiver checks the rebuilt bucket against: a delta applied to the
 wrong base (a receiver that restarted, missed a version or holds corrupted bytes) is refused,
-never applied. It is a blake2b of the wrapping int64 sums of each 512-byte row: one pass at
+never applied. It is a blake2b of the wrapping int64 sums of each 4 KiB row: one pass at
 memory speed (a CRC32 of the whole model costs three memcpys here), and any change of a row's
-sum, which every torn, stale or foreign byte makes but for a 2**-64 chance, changes it.
+sum, which every torn, stale or foreign byte makes but for a 2**-64 chance, changes it (bytes
+swapped within a row keep its sum: a reordering, which no failure here produces).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ DEFAULT_MAX_FRACTION = 0.5
 FULL, SPARSE, BITMAP = "full", "sparse", "bitmap"
 DELTA_KINDS = (FULL, SPARSE, BITMAP)
 _HEAD = 16  # count (int64) and word count (int64)
-_ROW = 64  # int64 words per digest row (512 bytes: every bucket is a whole number of them)
+_ROW = 512  # int64 words per digest row (4 KiB; a bucket's last partial row is summed on its own)
+#: ``bitmap`` is picked only when at most this fraction of ``sparse``'s bytes: its decode scans
+#: every word of the bucket, ``sparse``'s only the changes.
+BITMAP_PREFERENCE = 0.5
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,12 @@ def _words(bucket: torch.Tensor, what: str) -> int:
 def bucket_digest(bucket: torch.Tensor) -> int:
     """A 64-bit digest of a bucket's bytes (flat uint8, a multiple of 512 bytes; see the module)."""
     _words(bucket, "a digested bucket")
-    sums = bucket.view(torch.int64).view(-1, _ROW).sum(1)
-    raw = sums.cpu().numpy().tobytes() if sums.numel() else b""
+    words = bucket.view(torch.int64)
+    whole = words.numel() // _ROW * _ROW
+    sums = words[:whole].view(-1, _ROW).sum(1)
+    if whole < words.numel():
+        sums = torch.cat([sums, words[whole:].sum().view(1)])
+    raw = sums.cpu().numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
@@ -85,16 +94,19 @@ def _changed_words(current: torch.Tensor, base: torch.Tensor) -> tuple[torch.Ten
     Coarse first: 8-byte words compared at memory speed, then the few that differ split in four.
     """
     cur64, base64 = current.view(torch.int64), base.view(torch.int64)
-    if current.is_cpu:
-        neq = torch.ne(cur64, base64).numpy()
-        coarse = torch.from_numpy(np.flatnonzero(neq))
-    else:
+    if not current.is_cpu:
         coarse = torch.ne(cur64, base64).nonzero().view(-1)
-    new = cur64.index_select(0, coarse).view(torch.int16)
-    old = base64.index_select(0, coarse).view(torch.int16)
-    fine = torch.ne(new, old).nonzero().view(-1)
-    index = coarse.index_select(0, fine // 4) * 4 + fine % 4
-    return index, new.index_select(0, fine)
+        new = cur64.index_select(0, coarse).view(torch.int16)
+        fine = torch.ne(new, base64.index_select(0, coarse).view(torch.int16)).nonzero().view(-1)
+        return coarse.index_select(0, fine // 4) * 4 + fine % 4, new.index_select(0, fine)
+    # on the host numpy's nonzero is several times torch's
+    coarse_np = np.flatnonzero(torch.ne(cur64, base64).numpy())
+    coarse = torch.from_numpy(coarse_np)
+    new = cur64.index_select(0, coarse).view(torch.int16).numpy()
+    old = base64.index_select(0, coarse).view(torch.int16).numpy()
+    fine = np.flatnonzero(new != old)
+    index = coarse_np[fine >> 2] * 4 + (fine & 3)
+    return torch.from_numpy(index), torch.from_numpy(new[fine])
 
 
 def encode_delta(
@@ -122,14 +134,15 @@ def encode_delta(
     count = int(index.numel())
     sparse = _HEAD + _pad8(4 * count) + 2 * count
     bitmap = _HEAD + _pad8(-(-words // 8)) + 2 * count
-    best = min(sparse, bitmap)
+    use_bitmap = bitmap <= BITMAP_PREFERENCE * sparse
+    best = bitmap if use_bitmap else sparse
     digest = bucket_digest(current)
     if best >= max_fraction * current.numel() or words >= 2**31:
         return DeltaPayload(FULL, current, count, digest)
     out = torch.zeros(best, dtype=torch.uint8, device=current.device)
     out[:_HEAD].view(torch.int64).copy_(torch.tensor([count, words], dtype=torch.int64))
     body = out[_HEAD:]
-    if sparse <= bitmap:
+    if not use_bitmap:
         body[: 4 * count].view(torch.int32).copy_(index.to(torch.int32))
         body[_pad8(4 * count) :].view(torch.int16).copy_(values)
         return DeltaPayload(SPARSE, out, count, digest)

@@ -33,8 +33,9 @@ from rlfleet.weightsync.codec._delta import (
     bucket_digest,
     encode_delta,
 )
+from rlfleet.weightsync.layout._copy import copy_pairs
 from rlfleet.weightsync.layout._layout import Layout
-from rlfleet.weightsync.layout._packing import bucket_starts, pack_bucket
+from rlfleet.weightsync.layout._packing import bucket_starts, bucket_views
 
 __all__ = [
     "DELTA_MODES",
@@ -96,7 +97,9 @@ def clear_padding(layout: Layout, index: int, out: torch.Tensor) -> torch.Tensor
 def pack_base(layout: Layout, index: int, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> bool:
     """Bucket `index` of `tensors` (a receiver's applied weights, in the wire dtype) into `out`,
     padding zeroed: `DeltaBase.copy_base` for consumers that hold their weights as tensors."""
-    pack_bucket(layout, index, tensors, out)
+    views = bucket_views(layout, index, out)
+    names = [spec.name for spec in layout.buckets[index].tensors if spec.nbytes]
+    copy_pairs([views[n] for n in names], [tensors[n].detach() for n in names])  # threads, memmove
     clear_padding(layout, index, out)
     return True
 
