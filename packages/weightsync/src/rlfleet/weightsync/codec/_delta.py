@@ -101,12 +101,12 @@ def _changed_words(current: torch.Tensor, base: torch.Tensor) -> tuple[torch.Ten
         return coarse.index_select(0, fine // 4) * 4 + fine % 4, new.index_select(0, fine)
     # on the host numpy's nonzero is several times torch's
     coarse_np = np.flatnonzero(torch.ne(cur64, base64).numpy())
-    coarse = torch.from_numpy(coarse_np)
-    new = cur64.index_select(0, coarse).view(torch.int16).numpy()
-    old = base64.index_select(0, coarse).view(torch.int16).numpy()
-    fine = np.flatnonzero(new != old)
-    index = coarse_np[fine >> 2] * 4 + (fine & 3)
-    return torch.from_numpy(index), torch.from_numpy(new[fine])
+    at = torch.from_numpy(coarse_np)
+    new_np = cur64.index_select(0, at).view(torch.int16).numpy()
+    old_np = base64.index_select(0, at).view(torch.int16).numpy()
+    fine_np = np.flatnonzero(new_np != old_np)
+    index = coarse_np[fine_np >> 2] * 4 + (fine_np & 3)
+    return torch.from_numpy(index), torch.from_numpy(new_np[fine_np])
 
 
 def encode_delta(
