@@ -196,6 +196,35 @@ def test_local_role_conversion_keeps_weights_consistent() -> None:
         group.shutdown()
 
 
+@pytest.mark.parametrize("strategy", ["None", "Double", "Shared"])
+def test_a_wire_dtype_serves_the_trainers_weights_cast_once(strategy: str) -> None:
+    cfg = PolicyConfig(
+        weight_buffer=WeightBufferConfig(
+            buffer_strategy=strategy, bucket_bytes=2048, wire_dtype="bfloat16", delta="auto"
+        )
+    )
+    train = [MLPPolicy(cfg, role="train", index=0)]
+    evals = [MLPPolicy(cfg, role="eval", index=i) for i in range(2)]
+    group = PolicyGroup(train, evals, cfg)
+    try:
+        group.init(TrainConfig(lr=1e-2))
+        group.init_placement_info(is_colocated=False)
+        group.init_weight_buffer()
+        assert all(p.dtype == torch.bfloat16 for e in evals for p in e.model.parameters())
+        assert all(p.dtype == torch.float32 for p in train[0].model.parameters())
+        for seed in (1, 2):
+            group.train(None, seed=seed)
+            group.sync_weights()
+            assert group.verify_eval_weight_checksums()  # the trainer's weights cast to bf16, bit for bit
+        assert group.eval_weight_versions() == [2, 2]
+        served = {k: v.to(torch.bfloat16) for k, v in train[0].model.state_dict().items()}
+        for e in evals:
+            for name, tensor in e.model.state_dict().items():
+                assert torch.equal(tensor, served[name]), name
+    finally:
+        group.shutdown()
+
+
 def test_config_combinations_are_checked() -> None:
     with pytest.raises(ValueError, match=r"'WeightBuffer' does not fit .*'Shared'.*'CPUWeightBuffer'"):
         WeightBufferConfig(type="WeightBuffer", buffer_strategy="Shared")
@@ -207,6 +236,10 @@ def test_config_combinations_are_checked() -> None:
         WeightBufferConfig(checksums="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="buffer_strategy 'Triple' is unknown"):
         WeightBufferConfig(buffer_strategy="Triple")
+    with pytest.raises(ValueError, match=r"weight_buffer\.wire_dtype 'int8' is not one of"):
+        WeightBufferConfig(wire_dtype="int8")
+    with pytest.raises(ValueError, match=r"weight_buffer\.delta must be one of"):
+        WeightBufferConfig(delta="on")
     with pytest.raises(ValueError, match="rollout_mode 'batch' is unknown"):
         PolicyConfig(rollout_mode="batch")
     with pytest.raises(ValueError, match="router_type"):

@@ -7,7 +7,8 @@ from typing import Any
 
 from rlfleet.placement import CostModel, check_sync_options
 from rlfleet.routing import PREFIX_CACHE_ON_NEW_VERSION, ROLLOUT_MODES, ROUTER_TYPES
-from rlfleet.weightsync import WEIGHT_BUFFER_STRATEGIES, check_strategy
+from rlfleet.weightsync import DTYPES, WEIGHT_BUFFER_STRATEGIES, check_strategy
+from rlfleet.weightsync.codec import check_delta_mode
 
 __all__ = [
     "BUFFER_STRATEGIES",
@@ -50,6 +51,13 @@ class WeightBufferConfig:
     "node_buffer", "direct") and ``cuda_ipc`` ("auto", "off", "host": the IPC path over host
     memory, a test mode) are placement's `make_sync_plan` options, checked by its
     `check_sync_options`.
+
+    ``wire_dtype`` (e.g. "bfloat16"; None: the trainer's own): what floating weights travel and
+    are served as; the trainers cast while packing, once per version, and each rollout worker's
+    model is cast to it when its weight buffer is made (bf16 from fp32 halves every sync's bytes).
+    ``delta`` ("auto", "off"): broadcast steps send a version as its difference from the last one
+    every receiver of the group committed (one more model copy on the trainer's host, in the wire
+    dtype); a receiver without that base makes the version go full.
     """
 
     type: str | None = None
@@ -60,6 +68,8 @@ class WeightBufferConfig:
     senders: str = "all"
     fanout: str = "auto"
     cuda_ipc: str = "auto"
+    wire_dtype: str | None = None
+    delta: str = "off"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +87,11 @@ class WeightBufferConfig:
             )
         if not isinstance(self.checksums, bool):
             raise ValueError(f"weight_buffer.checksums must be a bool, got {self.checksums!r}")
+        wire = self.wire_dtype
+        if wire is not None and (wire not in DTYPES or not DTYPES[wire].is_floating_point):
+            floats = sorted(n for n, d in DTYPES.items() if d.is_floating_point)
+            raise ValueError(f"weight_buffer.wire_dtype {wire!r} is not one of {floats}")
+        check_delta_mode(self.delta, "weight_buffer.delta")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 512:
             raise ValueError(f"weight_buffer.bucket_bytes must be an int >= 512, got {self.bucket_bytes!r}")
         opts = (self.buffer_strategy, self.planner, self.senders, self.fanout, self.cuda_ipc)

@@ -218,13 +218,15 @@ class WorkerComm:
         rank in a member group."""
         return world_rank if group_id in self._registered else self._ranks[group_id].index(world_rank)
 
-    def sender(self, group_id: str, layout: Layout) -> BroadcastSender:
-        """This rank's broadcast sender in `group_id` for `layout` (built once)."""
+    def sender(self, group_id: str, layout: Layout, delta: str = "off") -> BroadcastSender:
+        """This rank's broadcast sender in `group_id` for `layout` (built once; ``delta="auto"``:
+        it keeps its base, and sends deltas when every receiver of the group holds it)."""
         key = (group_id, layout.digest, self.rank)
         end = self._broadcasts.get(key)
         if not isinstance(end, BroadcastSender):
             group = self.group(group_id)
-            end = self._broadcasts[key] = BroadcastSender(layout, group, self._src_in(group_id, self.rank))
+            src = self._src_in(group_id, self.rank)
+            end = self._broadcasts[key] = BroadcastSender(layout, group, src, delta=delta)
         return end
 
     def receiver(self, group_id: str, layout: Layout, src_rank: int) -> BroadcastReceiver:

@@ -15,18 +15,28 @@ from typing import Any
 import torch
 
 from rlfleet.policygroup.worker._host import WorkerHost
-from rlfleet.weightsync import Layout, checksum, fingerprint
+from rlfleet.weightsync import DTYPES, Layout, checksum, fingerprint
 
 
 class StateCalls(WorkerHost):
     """Weights inspection, training state and checkpoints of a worker (`WorkerHost` says what it reads)."""
 
     # ================================================================== inspection
+    def _served(self) -> Mapping[str, torch.Tensor]:
+        """The weights as rollout workers serve them: floating tensors in the config's wire dtype
+        (a trainer's fp32 cast; a rollout worker's already are), so the checks compare like with like."""
+        state = self.model.state_dict()
+        wire = getattr(self.config.weight_buffer, "wire_dtype", None)
+        if wire is None:
+            return state
+        dtype = DTYPES[wire]
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
     def get_param_fingerprint(self) -> dict[str, float]:
-        return fingerprint(self.model.state_dict())
+        return fingerprint(self._served())
 
     def get_weight_checksum(self) -> str:
-        return checksum(self.model.state_dict())
+        return checksum(self._served())
 
     def get_weight_version(self) -> int:
         return self._weights.version
@@ -35,7 +45,8 @@ class StateCalls(WorkerHost):
         self._weights.version = int(version)
 
     def get_weight_layout(self, bucket_bytes: int) -> dict[str, Any]:
-        return Layout.from_state_dict(self.model.state_dict(), bucket_bytes).to_dict()
+        wire = getattr(self.config.weight_buffer, "wire_dtype", None)
+        return Layout.from_state_dict(self.model.state_dict(), bucket_bytes, wire_dtype=wire).to_dict()
 
     # ================================================================== state as data
     def get_state_dict(self) -> dict[str, torch.Tensor]:

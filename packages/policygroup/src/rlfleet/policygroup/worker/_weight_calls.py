@@ -29,6 +29,7 @@ import torch
 from rlfleet.placement import CallKind, CallResult, PartResult
 from rlfleet.policygroup.worker._host import WorkerHost
 from rlfleet.weightsync import (
+    DTYPES,
     Deadline,
     DiscardingConsumer,
     SharesReceiver,
@@ -195,6 +196,9 @@ class WeightCalls(WorkerHost):
         if strategy is None:
             default = self.config.weight_buffer.buffer_strategy
             strategy = "Shared" if shared_weight_buffer is not None else default
+        wire = getattr(self.config.weight_buffer, "wire_dtype", None)
+        if wire is not None:  # serve what travels: the trainers cast to it while packing
+            self.model.to(DTYPES[wire])
         self._weights.init_endpoint(self.model, strategy, shared_weight_buffer, layout)
         self._restarted = False
 
@@ -219,8 +223,9 @@ class WeightCalls(WorkerHost):
         buckets: Sequence[int] | None = None,
     ) -> int:
         """Broadcast `buckets` (None: all) of this trainer's weights in group `group_id` (we are the root)."""
-        layout = self._weights.layout_for(self.model, bucket_bytes)
-        sender = self._comm.sender(group_id, layout)
+        wire = getattr(self.config.weight_buffer, "wire_dtype", None)
+        layout = self._weights.layout_for(self.model, bucket_bytes, wire)
+        sender = self._comm.sender(group_id, layout, getattr(self.config.weight_buffer, "delta", "off"))
         deadline = Deadline(timeout_s)
         weights = self._snapshots.copy_for(version, deadline)  # a non-blocking sync's snapshot
         sender.send(
