@@ -9,6 +9,7 @@ bf16, bit for bit, after every version.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -117,7 +118,15 @@ def scenario_broadcast(rank: int, world: int, port: int, kinds: list[str]) -> di
             checksum(weights()) == checksum(served(consumer.version)) if consumer.version > 0 else None
         )
         steps[f"v{version}"] = result
+    _close(consumer)
     return steps
+
+
+def _close(consumer: Any) -> None:
+    """A node buffer's segment is unlinked here: the harness leaves by os._exit (no atexit)."""
+    close = getattr(consumer, "close", None)
+    if close is not None:
+        close()
 
 
 def _corrupt(consumer: Any) -> None:
@@ -215,3 +224,64 @@ def scenario_reshard_cast(rank: int, world: int, port: int) -> dict[str, Any]:
         result["exact"] = checksum(live) == checksum(expected)
         out[label] = result
     return out
+
+
+# -- kill points: encode, wire, apply, commit -------------------------------------------------
+KILL_VERSION = 3
+
+
+def _killing(kind: str, point: str, layout: Layout) -> tuple[Any, Callable[[], dict[str, torch.Tensor]]]:
+    """A DoubleBuffer whose process dies rebuilding a delta bucket of version 3 ("apply") or
+    preparing its commit ("commit"); any other point: a plain one."""
+    from rlfleet.weightsync import DoubleBuffer
+
+    class Killing(DoubleBuffer):
+        def copy_base(self, index: int, out: torch.Tensor) -> bool:
+            if point == "apply" and self.pending_version == KILL_VERSION and index > 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().copy_base(index, out)
+
+        def prepare_commit(self, version: int, deadline: Any = None) -> None:
+            if point == "commit" and version == KILL_VERSION:
+                os.kill(os.getpid(), signal.SIGKILL)
+            super().prepare_commit(version, deadline)
+
+    live = {k: torch.zeros_like(v) for k, v in served(0).items()}
+    return Killing(live, layout), lambda: {k: v.clone() for k, v in live.items()}
+
+
+def scenario_kill_point(rank: int, world: int, port: int, point: str) -> dict[str, Any]:
+    """Sender rank 0 (bf16 deltas), receivers 1 (the victim of "apply" / "commit") and 2 (a node
+    buffer). Versions 1 (full) and 2 (a delta) go through; version 3 is a delta during which
+    the sender dies packing and encoding its first bucket ("encode"), or its last one with the
+    others on the wire ("wire"), or receiver 1 dies rebuilding a bucket ("apply") or preparing
+    its commit ("commit"). The survivors report what they serve."""
+    from weightsync_dist_workers import FlakyMapping
+
+    from rlfleet.weightsync import BroadcastReceiver, BroadcastSender
+
+    init(rank, world, port, timeout=20.0)
+    steps: dict[str, Any] = {}
+    if rank == 0:
+        layout = wire_layout()
+        sender = BroadcastSender(layout, None, 0, direct_min=16 * 1024, delta="auto")
+        for version in (1, 2, 3):
+            sd: Mapping[str, torch.Tensor] = trainer_state(version)
+            if version == KILL_VERSION and point in ("encode", "wire"):
+                bucket = layout.buckets[0] if point == "encode" else layout.buckets[-1]
+                sd = FlakyMapping(sd, bucket.tensors[-1].name, 0, "kill")
+            result = outcome(lambda s=sd, v=version: sender.send(s, v, 15.0).base)
+            steps[f"v{version}"] = result
+        assert sender.delta is not None
+        steps["offer_after"] = sender.delta.offer()
+        return steps
+    layout = engine_layout()
+    consumer, weights = _killing("double", point, layout) if rank == 1 else _receiver("node", layout)
+    receiver = BroadcastReceiver(layout, None, 0)
+    for version in (1, 2, 3):
+        result = outcome(lambda c=consumer: receiver.receive(c, 15.0).version)
+        result["applied"] = consumer.version
+        result["exact"] = checksum(weights()) == checksum(served(consumer.version))
+        steps[f"v{version}"] = result
+    _close(consumer)
+    return steps

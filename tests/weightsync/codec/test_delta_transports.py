@@ -57,3 +57,22 @@ def test_a_corrupted_base_is_refused_by_digest_and_the_next_version_is_full(
         assert broadcast_run[rank]["v6"]["applied"] == 5  # everyone keeps serving 5
     assert broadcast_run[0]["v7"]["value"]["base"] is None  # the sender forgot its base: full
     assert broadcast_run[0]["v8"]["value"]["base"] == 7
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("point", "victim"), [("encode", 0), ("wire", 0), ("apply", 1), ("commit", 1)])
+def test_a_process_killed_mid_delta_leaves_the_previous_version_served(point: str, victim: int) -> None:
+    results = run_ranks(ww.scenario_kill_point, 3, point, timeout=150.0, expect_dead=(victim,))
+    for rank in (0, 1, 2):
+        if rank == victim:
+            continue
+        assert results[rank]["v2"]["ok"], results[rank]
+        assert not results[rank]["v3"]["ok"], (point, rank, results[rank]["v3"])
+    for rank in (1, 2):
+        if rank != victim:
+            step = results[rank]["v3"]
+            assert step["applied"] == 2, (point, rank, step)
+            assert step["exact"], (point, rank, step)  # still serving version 2, bit for bit
+    if victim != 0:
+        assert results[0]["v2"]["value"] == 1  # version 2 was a delta against 1
+        assert results[0]["offer_after"] is None  # the sender forgot its base: the next version is full
