@@ -159,3 +159,24 @@ def test_the_asyncio_rollout_waits_for_a_recent_worker_without_blocking_the_loop
         assert all(isinstance(v, dict) for v in out.values())
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_of_nonblocking_syncs_through_the_node_buffer_applies_each_in_turn() -> None:
+    """Each node-buffer snapshot commits its version in a two-slot node buffer: a burst must not
+    leave a writer waiting for a slot that only the swap of the version it writes would free."""
+    group = group_of("Shared")
+    try:
+        group.sync_weights()
+        handles = []
+        for step in range(5):
+            handles.append(group.sync_weights(block=False))
+            group.train(None, seed=step)  # its update waits for the snapshot, nothing else
+        reports = [h.result(timeout=60) for h in handles]
+        assert [r.version for r in reports if r is not None] == [2, 3, 4, 5, 6]
+        assert not any(h.skipped for h in handles)
+        assert group.eval_weight_versions() == [6, 6]
+        lives = [p.get_live_versions() for p in group.eval_list]
+        assert all(live == sorted(set(live)) and live[-1] == 6 for live in lives), lives
+    finally:
+        group.shutdown()

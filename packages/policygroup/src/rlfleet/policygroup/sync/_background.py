@@ -8,12 +8,15 @@ The group counts the snapshots it asked of each trainer and its next `train` cal
 (`asked`): the trainer's optimizer waits until that many arrived and were taken, so an update
 never lands in a snapshot, whatever order Ray delivers the two calls in. weightsync's
 `SendPipeline` then runs one sync at a time on a thread of the driver; a version still waiting
-when a newer one is snapshotted is skipped (the report of the version sent lists it). A failure
+when a newer one is snapshotted is skipped (the report of the version sent lists it), unless a
+node writer's snapshot already committed it to its node buffer: then each is synced in turn and
+the node's readers skip ahead at their swap (they bind the newest version there). A failure
 that no caller collected with ``result()`` is raised by the next sync call of the group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -51,10 +54,8 @@ class BackgroundSyncs:
 
     def quiesce(self, timeout_s: float) -> None:
         """Let the background syncs finish, their failures left to their handles (shutdown)."""
-        try:
+        with contextlib.suppress(TimeoutError):
             self.pipeline.drain(Deadline(timeout_s))
-        except TimeoutError:
-            pass
 
     def settle(self, timeout_s: float) -> None:
         """Before a blocking sync: an uncollected failure is raised, then the background drains."""
@@ -114,7 +115,10 @@ class BackgroundSyncs:
 
             self._asked.append(version)
             # eager: the steps begin at once (liveness, wiring, the plan's calls overlap the
-            # copy); a trainer's step reads its snapshot only once it is taken
+            # copy); a trainer's step reads its snapshot only once it is taken. A node writer's
+            # snapshot commits the version in the node buffer: every such version is then applied
+            # in turn (its readers take the newest there), or a writer could wait for a free slot
+            # that only the apply of the very version it writes would free
             return self.pipeline.submit(
                 version,
                 Deadline(config.sync_timeout_s),
@@ -122,6 +126,7 @@ class BackgroundSyncs:
                 lambda _slot: self._send(version),
                 start,
                 eager=True,
+                coalesce=not any("publish" in kinds for _, kinds in senders),
             )
 
     def _check(self, calls: list[tuple[Policy, Any]], what: str, timeout: float) -> None:

@@ -94,8 +94,13 @@ class WeightCalls(WorkerHost):
         """A node_buffer step's writer: this version into the node's buffer, once (a non-blocking
         sync's snapshot already put it there)."""
         left = left_until(deadline_at, "publish into the node buffer")
-        if self._snapshots.require(version, "publish"):
-            self._snapshots.wait(version, Deadline(left))
+        if self._snapshots.require(version, "publish"):  # the snapshot was this publish
+
+            def published() -> int:  # not again through publish_shared: a newer snapshot may
+                self._snapshots.wait(version, Deadline(left))  # hold the writer, waiting for
+                return version  # the swap this very sync makes
+
+            return timed(published, "pack")
         return timed(lambda: self.publish_shared(version, left), "pack")
 
     def sync_send(
