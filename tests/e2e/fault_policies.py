@@ -102,6 +102,9 @@ class FaultPolicy(BasePolicy):
         """(type, message, seconds the call ran) of the last failed receive on this worker."""
         return self._last_error
 
+    def forget_last_error(self) -> None:
+        self._last_error = None
+
     def _recording(self, fn: Any) -> Any:
         start = time.monotonic()
         try:

@@ -93,11 +93,13 @@ def wait_alive(handles: Any, timeout: float = 120.0) -> None:
 
 @pytest.fixture
 def restore(actors: dict[str, Any]) -> Iterator[None]:
-    """After a test: faults disarmed, models back to normal, crashed actors back."""
+    """After a test: faults disarmed, models back to normal, no failure on record (the next test
+    reads only its own `last_error`), crashed actors back."""
     yield
     wait_alive(actors.values())
     ray.get([a.release.remote() for a in actors.values()], timeout=60)
     ray.get([a.mutate.remote(None) for a in actors.values()], timeout=60)
+    ray.get([a.forget_last_error.remote() for a in actors.values()], timeout=60)
 
 
 def make_group(

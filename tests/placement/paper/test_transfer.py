@@ -349,7 +349,7 @@ def test_draw_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch
     plan = plan_transfer(topo, place_disaggregated(topo, 1, 1), 10)
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(ImportError, match=r"rlfleet-placement\[draw\]"):
+    with pytest.raises(ImportError, match=r"pip install matplotlib.*\[draw\] extra of rlfleet-placement"):
         plan.draw(tmp_path / "x.png")
 
 
