@@ -71,9 +71,10 @@ def scenario_ipc_straggler(rank: int, world: int, port: int, path: str) -> dict[
         return out
 
 
-def scenario_ipc_leak(rank: int, world: int, port: int, path: str) -> dict[str, Any]:
+def scenario_ipc_kept_while_mapped(rank: int, world: int, port: int, path: str) -> dict[str, Any]:
     """The sender closes while the reader still maps the slots: it waits `detach_timeout_s`,
-    then leaks the slots and names the reader; the reader's mapping stays readable."""
+    then keeps the slots (freed once the reader left) and names the reader; the reader's
+    mapping stays readable."""
     layout = w.layout_of(w.make_state(0))
     closed = path + ".closed"
     if rank == 0:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import weightsync_dist_workers as w
-from ipc_workers import scenario_ipc_leak, scenario_ipc_settle, scenario_ipc_straggler
+from ipc_workers import scenario_ipc_kept_while_mapped, scenario_ipc_settle, scenario_ipc_straggler
 
 from rlfleet.weightsync import (
     CudaIpcReceiver,
@@ -212,7 +212,7 @@ def test_a_straggler_of_an_aborted_version_reads_its_own_bytes(tmp_path: Path) -
 @pytest.mark.timeout(120)
 def test_slots_a_live_reader_still_maps_are_kept_not_freed(tmp_path: Path) -> None:
     """(Freed once the reader left: test_ipc_commit.py.)"""
-    results = w.run_ranks(scenario_ipc_leak, 2, str(tmp_path / "name"), timeout=90.0)
+    results = w.run_ranks(scenario_ipc_kept_while_mapped, 2, str(tmp_path / "name"), timeout=90.0)
     sender, reader = results[0], results[1]
     assert sender["type"] == "SlotsStillMappedError", sender
     assert sender["readers"] == [0]

@@ -78,8 +78,9 @@ class PartialLoadError(WeightSyncError):
 class SlotsStillMappedError(WeightSyncError):
     """A CUDA IPC sender closed while live readers still mapped its GPU slots.
 
-    Freeing GPU memory that another process still maps is undefined in CUDA, so the slots were
-    leaked (kept allocated for the life of the sender process) instead; `readers` names them.
+    Freeing GPU memory that another process still maps is undefined in CUDA, so the slots are
+    kept until those readers (`readers`) unmapped them or died, then freed by the sender's
+    `free_slots()` or the process's next IPC sender.
     """
 
     def __init__(self, message: str, readers: list[int]) -> None:
