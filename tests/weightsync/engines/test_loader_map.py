@@ -258,7 +258,7 @@ def test_uncovered_parameters_and_unknown_or_misshaped_tensors_are_named() -> No
 
 def test_what_load_weights_itself_raises_passes_through_the_dry_run() -> None:
     model = Fused()
-    with pytest.raises(ValueError, match="no module or parameter named 'module.norm.weight'") as info:
+    with pytest.raises(ValueError, match=r"no module or parameter named 'module\.norm\.weight'") as info:
         record_loader_map(model.load_weights, model, [("module.norm.weight", (H,), torch.float32)])
     assert not isinstance(info.value, UnmappableLoaderError)  # a layout error, not an unreadable loader
 

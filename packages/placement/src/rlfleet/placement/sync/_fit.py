@@ -234,4 +234,3 @@ def fit_cost_model(
     )
     source = f"{fit} (unfitted terms: defaults)" if prior is None else f"{prior.source}; then {fit}"
     return base.with_linear(values, source)
-
