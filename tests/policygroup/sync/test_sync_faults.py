@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import sys
 import time
@@ -155,4 +156,37 @@ def test_a_request_outlasting_the_drain_leaves_its_worker_serving_and_routable(c
     finally:
         group.shutdown()
         for actor in (trainer, rollout):
+            ray.kill(actor)
+
+
+def test_a_worker_left_behind_in_a_node_buffer_is_swapped_before_the_next_version_is_sent(
+    cluster: Any,
+) -> None:
+    """"Shared": a worker whose request outlasted the drain still binds the slot of the version
+    before; the writer of the next version needs that slot. The next sync swaps it first (before:
+    that sync, and every one after, waited out its deadline for the slot and failed)."""
+    config = dataclasses.replace(_config("Shared"), drain_timeout_s=2.0, sync_timeout_s=8.0)
+    node = {"resources": {"node0": 1}, "num_cpus": 0, "max_concurrency": 16}
+    trainer = ray.remote(MLPPolicy).options(**node).remote(config=config, role="train", index=0)
+    rollouts = [
+        ray.remote(SlowRollouts).options(**node).remote(config=config, role="eval", index=i) for i in range(2)
+    ]
+    group = PolicyGroup([trainer], rollouts, config)
+    try:
+        group.init_placement_info()
+        group.init_weight_buffer()
+        group.sync_weights()
+        slow = group.rollout_batch(BatchedData([0], ["slow"])).values()[0]
+        with pytest.raises(PolicyGroupError, match=r"rollout worker (\d) still had requests in flight.*v1") as info:
+            group.sync_weights()  # v2: the other swaps, the busy one keeps serving v1 (its slot bound)
+        busy = int(re.search(r"rollout worker (\d)", str(info.value)).group(1))  # type: ignore[union-attr]
+        assert group.eval_weight_versions() == [1 if i == busy else 2 for i in range(2)]
+        report = group.sync_weights()  # v3: worker 1 swapped to v2 first, then v3 written and applied
+        assert report is not None and report.ok, report
+        assert ray.get(slow, timeout=60)["version"] == 1
+        assert group.eval_weight_versions() == [3, 3]
+        assert _serves(group) == [3, 3]
+    finally:
+        group.shutdown()
+        for actor in (trainer, *rollouts):
             ray.kill(actor)

@@ -66,6 +66,9 @@ class WeightSync:
         self.reserved = 0  # the highest version a non-blocking sync snapshotted
         self.stall = 0.0  # this sync's longest serving stall of one rollout worker (seconds)
         self.staged: int | None = None
+        #: rollout workers (with their gather group) whose requests outlasted the last rolling
+        #: update's drain: they serve the version before `staged` until the next sync swaps them
+        self.lagging: list[tuple[list[Policy], str | None]] = []
         self.last: SyncOutcome | None = None
         self.report: SyncReport | None = None
         self._steps_began = 0.0  # when the last attempt's steps began (time.time())
@@ -168,6 +171,7 @@ class WeightSync:
         gone = tuple(self.members.refresh())  # rollout workers found dead as this sync begins
         if not roster.eval_list:
             return SyncOutcome(version, 0, time.perf_counter() - start, gone)
+        self._catch_up(version)
         self._rewire()
         plan = self.plan
         assert plan is not None
@@ -328,17 +332,44 @@ class WeightSync:
                 batches.append(([by_pid[p] for p in mates if p in by_pid], group.group_id))
         elif self.strategy != "None":
             batches = [([p], None) for p in self.roster.eval_list]
-        busy: list[str] = []
+        self.lagging = []
         for policies, group_id in batches:
             try:
                 self._apply_together(policies, version, group_id)
             except DrainTimeoutError:
-                busy += [self.roster.name(p) for p in policies]
-        if busy:
+                self.lagging.append((policies, group_id))
+        if self.lagging:
+            busy = [self.roster.name(p) for policies, _ in self.lagging for p in policies]
             raise PolicyGroupError(
                 f"apply v{version}: {', '.join(busy)} still had requests in flight after "
                 f"drain_timeout_s={self.config.drain_timeout_s}; they keep serving v{self.version} "
-                "and the next apply (notify_update_weights) swaps them"
+                "and the next apply (notify_update_weights) or sync swaps them"
+            )
+
+    def _catch_up(self, version: int) -> None:
+        """Before `version` is sent, swap the rollout workers the last rolling update left behind
+        (their requests outlasted its drain). In a node buffer ("Shared") such a worker still
+        holds the slot the writer of `version` needs: sending past it would wait out the sync's
+        deadline and fail every sync after (a soak starved so). If it is still busy, "Shared"
+        sends nothing (a clear error; the next sync tries again); the others send, and their
+        rolling update swaps it."""
+        staged, lagging, self.lagging = self.staged, self.lagging, []
+        if staged is None or not lagging:
+            return
+        for policies, group_id in lagging:
+            alive = [p for p in policies if any(p is q for q in self.roster.eval_list)]
+            try:
+                self._apply_together(alive, staged, group_id)
+            except DrainTimeoutError:
+                self.lagging.append((alive, group_id))
+        if not self.lagging:
+            self.version = max(self.version, staged)
+        elif self.strategy == "Shared":
+            busy = [self.roster.name(p) for policies, _ in self.lagging for p in policies]
+            raise PolicyGroupError(
+                f"send_weights v{version}: not sent: {', '.join(busy)} still serve v{self.version} "
+                f"with requests in flight after drain_timeout_s={self.config.drain_timeout_s}, "
+                "holding the node buffer's slot this version needs; the next sync swaps them first"
             )
 
     def _apply_together(self, policies: list[Policy], version: int, group_id: str | None) -> None:
