@@ -36,10 +36,14 @@ leave the group usable.
 
 Transports are `P2PWire` objects: `TorchP2PWire` over a torch.distributed process group (gloo
 on CPU, nccl on GPU) and `NcclP2PWire` over a cupy NCCL communicator (cupy imported lazily).
+With ``delta="auto"`` a pair whose two ends hold the same base version moves the delta of its
+messages instead of their bytes, rebuilt and digest-checked in staging before step 4
+(`_reshard_delta`).
+
 The pieces: `_reshard_program` (what a rank executes), `_reshard_groups` (wires and groups),
-`_reshard_session` (header, rounds), `_reshard_sender` and `_reshard_receiver`; status codes,
-frames and the session's broken/in-step state are the protocol core (`_core`) shared with the
-broadcast protocol.
+`_reshard_session` (header, rounds), `_reshard_delta` (deltas per pair), `_reshard_sender` and
+`_reshard_receiver`; status codes, frames and the session's broken/in-step state are the
+protocol core (`_core`) shared with the broadcast protocol.
 """
 
 from __future__ import annotations

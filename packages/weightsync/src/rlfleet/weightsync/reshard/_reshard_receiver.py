@@ -11,12 +11,15 @@ import torch
 
 from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline, caller_deadline
 from rlfleet.weightsync._errors import (
+    ChecksumMismatchError,
     LayoutMismatchError,
     MetadataError,
     SyncAbortedError,
     VersionError,
     WeightSyncError,
 )
+from rlfleet.weightsync.codec._delta import FULL
+from rlfleet.weightsync.codec._delta_state import DeltaBase, holds_base
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.layout._packing import bucket_starts, typed_view
 from rlfleet.weightsync.protocol._core import (
@@ -28,8 +31,10 @@ from rlfleet.weightsync.protocol._core import (
     safe_abort,
     tensor_bytes,
 )
+from rlfleet.weightsync.protocol._frames import CONTROL_BYTES, Control
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
 from rlfleet.weightsync.protocol._wire_base import BucketTarget
+from rlfleet.weightsync.reshard._reshard_delta import CONTROL_TAG, check_control, padded, rebuild_message
 from rlfleet.weightsync.reshard._reshard_program import GEN, TRAIN, ReshardMessage, Transfer
 from rlfleet.weightsync.reshard._reshard_session import (
     HEADER_BYTES,
@@ -40,6 +45,10 @@ from rlfleet.weightsync.reshard._reshard_session import (
 )
 
 __all__ = ["ReshardReceiver"]
+
+
+def _status_of(failure: WeightSyncError) -> Status:
+    return Status.CHECKSUM if isinstance(failure, ChecksumMismatchError) else Status.CONSUMER
 
 
 def _merged_extras(headers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -62,14 +71,21 @@ class ReshardReceiver(ReshardSession):
     group agreed, lets the consumer prepare its commit, then commits on every generation rank
     or aborts on all; the returned stats carry the header's extras (e.g. kv-cache scales). The
     deadline defaults to `DEFAULT_SYNC_TIMEOUT_S`.
+
+    A consumer that can rebuild a delta (`codec.DeltaBase`: the buffers, the node buffer) gets
+    the delta of its own byte ranges from each training rank whose base is its applied version,
+    rebuilt in staging and checked against the sender's digest before it is consumed
+    (`_reshard_delta`); the stats' `delta_peers` name those training ranks.
     """
 
     ROLE = GEN
     _staging: torch.Tensor | None = None
+    _scratch: torch.Tensor | None = None
 
     def release_buffers(self) -> None:
         super().release_buffers()
         self._staging = None
+        self._scratch = None
 
     def receive(
         self, consumer: BucketConsumer, deadline: Deadline | float | None = DEFAULT_SYNC_TIMEOUT_S
@@ -149,13 +165,16 @@ class ReshardReceiver(ReshardSession):
         version = headers[0]["version"] if len(versions) == 1 else -1
         code, own = self._own_status(consumer, headers, version, deadline)
         began = code == Status.OK
+        applied = getattr(consumer, "version", None)
+        held = applied if began and isinstance(applied, int) and holds_base(consumer, applied) else -1
         try:
-            outcome, codes = self._negotiate(code, version, deadline)
+            outcome, codes = self._negotiate(code, version, deadline, held)
             ok = {key for key, why in outcome.items() if why is None}
             agreed = began and len(ok) == len(self.groups)
             messages = self._messages_in(ok)
-            failure, total = self._stage(consumer, messages, agreed, version, deadline)
-            status = Status.OK if failure is None else Status.CONSUMER
+            deltas = self._delta_peers()
+            failure, total = self._stage(consumer, messages, agreed, version, deadline, deltas)
+            status = Status.OK if failure is None else _status_of(failure)
             if agreed and failure is None:
                 failure = prepare(consumer, version, deadline, f"gen rank {self.program.rank}")
                 status = Status.OK if failure is None else Status.COMMIT
@@ -183,7 +202,15 @@ class ReshardReceiver(ReshardSession):
         consumer.commit(version)  # prepared: cannot fail for a consumer that prepares
         peers = len(self.program.peers())
         return ReshardStats(
-            version, len(messages), total, time.perf_counter() - start, peers, _merged_extras(headers)
+            version,
+            len(messages),
+            total,
+            time.perf_counter() - start,
+            peers,
+            _merged_extras(headers),
+            base=held if deltas else None,
+            delta_peers=tuple(sorted(deltas)),
+            full_bytes=sum(m.nbytes for m in messages),
         )
 
     def _stage(
@@ -193,21 +220,51 @@ class ReshardReceiver(ReshardSession):
         agreed: bool,
         version: int,
         deadline: Deadline,
+        deltas: set[int],
     ) -> tuple[WeightSyncError | None, int]:
-        """Receive `messages` into staging; hand every bucket to the consumer if all agreed."""
+        """Receive `messages` into staging; hand every bucket to the consumer if all agreed.
+
+        With delta pairs (`deltas`: their training ranks) the buckets they touch first hold the
+        applied version (`DeltaBase.copy_base`), and each delta is rebuilt there and checked.
+        """
         if not messages and not agreed:
             return None, 0
         layout = consumer.layout
         staging, regions = self._staging_for(consumer, layout, agreed)
-        total = self._receive_data(messages, staging, deadline)
+        failure: WeightSyncError | None = None
+        if agreed and deltas:
+            failure = self._fill_base(consumer, layout, regions, [m for m in messages if m.src in deltas])
+        total, failure = self._receive_data(messages, staging, deadline, deltas, failure, agreed)
         if not agreed:
             return None, total
+        if failure is not None:
+            return failure, total
         try:
             for bucket, region in zip(layout.buckets, regions, strict=True):
                 consumer.consume(bucket.index, region)
         except Exception as exc:
             return consumer_error(exc, f"consumer failed to take version {version}"), total
         return None, total
+
+    def _fill_base(
+        self,
+        consumer: BucketConsumer,
+        layout: Layout,
+        regions: list[torch.Tensor],
+        messages: list[ReshardMessage],
+    ) -> WeightSyncError | None:
+        """The buckets the delta `messages` write, filled with the applied version (their base)."""
+        touched = sorted({layout[t.dst_param].bucket for m in messages for t, _ in m.items})
+        try:
+            for index in touched:
+                if not isinstance(consumer, DeltaBase) or not consumer.copy_base(index, regions[index]):
+                    return ChecksumMismatchError(
+                        f"gen rank {self.program.rank}: bucket {index}: the consumer cannot provide its base",
+                        index,
+                    )
+        except Exception as exc:
+            return consumer_error(exc, "consumer failed to provide its base")
+        return None
 
     def _staging_for(
         self, consumer: BucketConsumer, layout: Layout, usable: bool
@@ -243,9 +300,19 @@ class ReshardReceiver(ReshardSession):
         return views, regions
 
     def _receive_data(
-        self, messages: list[ReshardMessage], staging: Mapping[str, torch.Tensor], deadline: Deadline
-    ) -> int:
-        in_flight: deque[tuple[ReshardMessage, Pending, torch.Tensor | None, str]] = deque()
+        self,
+        messages: list[ReshardMessage],
+        staging: Mapping[str, torch.Tensor],
+        deadline: Deadline,
+        deltas: set[int],
+        failure: WeightSyncError | None,
+        apply: bool,
+    ) -> tuple[int, WeightSyncError | None]:
+        """Receive every message; a delta pair's control word first (its payload's size), its
+        delta rebuilt in staging once landed. The bytes moved, and the first failure (a delta
+        that does not rebuild the sender's bytes): messages keep being received after one.
+        Without `apply` (the version will not be consumed) deltas are received, not rebuilt."""
+        in_flight: deque[tuple[ReshardMessage, Pending, torch.Tensor | None, str, Control | None]] = deque()
         total = 0
 
         def region(t: Transfer) -> torch.Tensor:
@@ -253,13 +320,23 @@ class ReshardReceiver(ReshardSession):
             return tensor if t.dim is None else tensor.narrow(t.dim, t.dst_offset, t.length)
 
         def pop() -> None:
-            msg, op, buf, what = in_flight.popleft()
+            nonlocal failure
+            msg, op, buf, what, control = in_flight.popleft()
             op.wait(deadline, what)
-            if buf is not None:
+            if buf is not None and control is not None and control.kind != FULL:
+                if failure is None and apply:
+                    try:
+                        scratch = self._scratch_for(padded(msg.nbytes), buf.device)
+                        rebuild_message(
+                            msg, control, buf[: control.nbytes], [region(t) for t, _ in msg.items], scratch
+                        )
+                    except WeightSyncError as exc:
+                        failure = exc
+            elif buf is not None:
                 for t, offset in msg.items:
                     dest = region(t)
                     dest.copy_(buf[offset : offset + t.nbytes].view(dest.dtype).view(dest.shape))
-                self._give(buf)
+            self._give(buf)
 
         with torch.no_grad():
             for msg in messages:
@@ -267,9 +344,13 @@ class ReshardReceiver(ReshardSession):
                     pop()
                 group, group_rank = self._route[(TRAIN, msg.src)]
                 device = group.wire.device
+                control = self._control(msg, deadline) if msg.src in deltas else None
                 buf: torch.Tensor | None = None
                 dest: torch.Tensor | None = None
-                if len(msg.items) == 1:
+                if control is not None and control.kind != FULL:
+                    buf = self._take(control.nbytes, device)
+                    dest = buf[: control.nbytes]
+                elif len(msg.items) == 1:
                     r = region(msg.items[0][0])
                     if r.is_contiguous() and r.device == device:
                         dest = r.reshape(-1).view(torch.uint8)
@@ -277,8 +358,22 @@ class ReshardReceiver(ReshardSession):
                     buf = self._take(msg.nbytes, device)
                     dest = buf[: msg.nbytes]
                 what = f"reshard message {msg.index} from train rank {msg.src}"
-                in_flight.append((msg, group.wire.recv(dest, group_rank, msg.tag), buf, what))
-                total += msg.nbytes
+                in_flight.append((msg, group.wire.recv(dest, group_rank, msg.tag), buf, what, control))
+                total += int(dest.numel()) + (CONTROL_BYTES if control is not None else 0)
             while in_flight:
                 pop()
-        return total
+        return total, failure
+
+    def _control(self, msg: ReshardMessage, deadline: Deadline) -> Control:
+        """A delta pair's control word for `msg` (waited for: the payload's size depends on it)."""
+        group, group_rank = self._route[(TRAIN, msg.src)]
+        raw = torch.zeros(CONTROL_BYTES, dtype=torch.uint8, device=group.wire.device)
+        what = f"control word of reshard message {msg.index} from train rank {msg.src}"
+        group.wire.recv(raw, group_rank, CONTROL_TAG + msg.index).wait(deadline, what)
+        return check_control(Control.decode(tensor_bytes(raw)), msg)
+
+    def _scratch_for(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < nbytes or self._scratch.device != device:
+            largest = max((padded(m.nbytes) for m in self.messages), default=nbytes)
+            self._scratch = torch.empty(max(nbytes, largest), dtype=torch.uint8, device=device)
+        return self._scratch

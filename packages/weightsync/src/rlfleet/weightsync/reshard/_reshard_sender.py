@@ -11,8 +11,12 @@ import torch
 
 from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline
 from rlfleet.weightsync._errors import LayoutMismatchError, SyncAbortedError, VersionError, WeightSyncError
+from rlfleet.weightsync.codec._delta import DEFAULT_MAX_FRACTION, FULL
+from rlfleet.weightsync.codec._delta_state import check_delta_mode
 from rlfleet.weightsync.layout._dtypes import dtype_from_name
-from rlfleet.weightsync.protocol._core import Pending, Status, check_version, raw_bytes
+from rlfleet.weightsync.protocol._core import Pending, Status, bytes_tensor, check_version, raw_bytes
+from rlfleet.weightsync.protocol._frames import Control
+from rlfleet.weightsync.reshard._reshard_delta import CONTROL_TAG, MessageDeltas
 from rlfleet.weightsync.reshard._reshard_groups import PeerGroup
 from rlfleet.weightsync.reshard._reshard_program import GEN, TRAIN, RankProgram, ReshardMessage, Transfer
 from rlfleet.weightsync.reshard._reshard_session import (
@@ -40,6 +44,11 @@ class ReshardSender(ReshardSession):
     The plan's dtypes are what travels (the engine's). With ``cast=True`` a local shard in
     another floating dtype (fp32 master weights for a bf16 plan) is cast once per version,
     before any slice of it is sent, whichever generation ranks read it.
+
+    ``delta="auto"`` sends each generation rank that holds this rank's base (the last version
+    it sent and saw committed) the delta of its own messages, and the others the full bytes,
+    as the broadcast sender's ``delta`` does (`_reshard_delta`: base tracking per pair, memory);
+    ``delta_max_fraction``: a message whose delta is not smaller than that fraction goes full.
     """
 
     ROLE = TRAIN
@@ -55,13 +64,20 @@ class ReshardSender(ReshardSession):
         direct_min: int = DEFAULT_RESHARD_DIRECT_MIN,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         cast: bool = False,
+        delta: str = "off",
+        delta_max_fraction: float = DEFAULT_MAX_FRACTION,
     ) -> None:
+        mode = check_delta_mode(delta)
         super().__init__(
             program, groups, bucket_bytes=bucket_bytes, direct_min=direct_min, max_in_flight=max_in_flight
         )
         if not isinstance(cast, bool):
             raise TypeError(f"cast must be a bool, got {type(cast).__name__}")
         self.cast = cast
+        #: This rank's base and per-message delta choice (None: ``delta="off"``, every pair full).
+        self.delta: MessageDeltas | None = (
+            None if mode == "off" else MessageDeltas(self.messages, mode, delta_max_fraction)
+        )
 
     def send(
         self,
@@ -120,9 +136,12 @@ class ReshardSender(ReshardSession):
         if problem is None and self.cast:
             state_dict = self._wire_dtypes(state_dict)
         header, problem = self._header(version, extras, problem)
+        offer = None if self.delta is None or problem is not None else self.delta.offer()
         self.on_wire()
         self._send_headers(header, deadline)
-        outcome, codes = self._negotiate(Status.ABORTED if problem else Status.OK, version, deadline)
+        outcome, codes = self._negotiate(
+            Status.ABORTED if problem else Status.OK, version, deadline, -1 if offer is None else offer
+        )
         if problem is not None:
             self.in_step()  # our group does not move data: no commit round in it
             raise problem
@@ -130,13 +149,22 @@ class ReshardSender(ReshardSession):
         failure: WeightSyncError | None = None
         total, sent = 0, 0
         messages = self._messages_in(ok)
-        if messages:
-            failure, total, sent = self._send_data(state_dict, messages, deadline)
-        groups = [g for g in self.groups if g.key in ok]
-        problems, commit = self._commit_rounds(
-            groups, Status.OK if failure is None else Status.SENDER, 0, deadline
-        )
-        self.in_step()
+        deltas = self._delta_peers()
+        commit = False
+        try:
+            if self.delta is not None:
+                self.delta.start(version, offer if deltas else None)
+            if messages:
+                failure, total, sent = self._send_data(state_dict, messages, deadline, deltas)
+            groups = [g for g in self.groups if g.key in ok]
+            problems, commit = self._commit_rounds(
+                groups, Status.OK if failure is None else Status.SENDER, 0, deadline
+            )
+            self.in_step()
+        finally:
+            if self.delta is not None:
+                committed = commit and failure is None and len(ok) == len(outcome)
+                self.delta.finish(version, committed, messages)
         if failure is not None:
             raise failure
         bad = [f"group {k}: {why}" for k, why in outcome.items() if why is not None]
@@ -153,7 +181,15 @@ class ReshardSender(ReshardSession):
                 f"{'; '.join(problems) or 'a generation rank voted no'}"
             )
         return ReshardStats(
-            version, sent, total, time.perf_counter() - start, len(self.program.peers()), extras
+            version,
+            sent,
+            total,
+            time.perf_counter() - start,
+            len(self.program.peers()),
+            extras,
+            base=offer if deltas else None,
+            delta_peers=tuple(sorted(deltas)),
+            full_bytes=sum(m.nbytes for m in messages),
         )
 
     def _send_headers(self, header: bytes, deadline: Deadline) -> None:
@@ -188,28 +224,44 @@ class ReshardSender(ReshardSession):
         return tensor if t.dim is None else tensor.narrow(t.dim, t.src_offset, t.length)
 
     def _send_data(
-        self, state_dict: Mapping[str, torch.Tensor], messages: list[ReshardMessage], deadline: Deadline
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        messages: list[ReshardMessage],
+        deadline: Deadline,
+        deltas: set[int],
     ) -> tuple[WeightSyncError | None, int, int]:
-        """Post every message (at most `max_in_flight` outstanding). A slice that cannot be read
-        becomes the failure reported in the commit round; zeros keep the pair in step."""
+        """Post every message (at most `max_in_flight` outstanding); a message to a generation
+        rank in `deltas` is preceded by its control word. A slice that cannot be read becomes
+        the failure reported in the commit round; zeros keep the pair in step."""
         failure: WeightSyncError | None = None
-        in_flight: deque[tuple[Pending, torch.Tensor | None, str]] = deque()
+        in_flight: deque[tuple[Pending, torch.Tensor | None, torch.Tensor, str]] = deque()
         zeros: torch.Tensor | None = None
         total = 0
+
+        def post(op: Pending, buf: torch.Tensor | None, keep: torch.Tensor, what: str) -> None:
+            while len(in_flight) >= self.max_in_flight:
+                done, given, _, label = in_flight.popleft()
+                done.wait(deadline, label)
+                self._give(given)
+            in_flight.append((op, buf, keep, what))
+
         with torch.no_grad():
             for msg in messages:
-                while len(in_flight) >= self.max_in_flight:
-                    op, done, what = in_flight.popleft()
-                    op.wait(deadline, what)
-                    self._give(done)
                 group, group_rank = self._route[(GEN, msg.dst)]
                 device = group.wire.device
                 buf: torch.Tensor | None = None
                 payload: torch.Tensor | None = None
+                control: Control | None = None
                 if failure is None:
                     try:
                         payload, buf = self._pack(state_dict, msg, device)
+                        if msg.dst in deltas:
+                            payload, buf, control = self._encoded(msg, payload, buf, device)
+                        elif self.delta is not None:
+                            self.delta.keep(msg, payload)
                     except Exception as exc:
+                        self._give(buf)
+                        payload, buf = None, None
                         name = ", ".join(sorted({t.src_param for t, _ in msg.items}))
                         failure = SyncAbortedError(
                             f"train rank {self.program.rank} failed to read {name}: "
@@ -222,14 +274,32 @@ class ReshardSender(ReshardSession):
                             max(msg.nbytes, self.bucket_bytes), dtype=torch.uint8, device=device
                         )
                     payload = zeros[: msg.nbytes]
+                    control = Control(msg.index, msg.nbytes) if msg.dst in deltas else None
                 what = f"reshard message {msg.index} to gen rank {msg.dst}"
-                in_flight.append((group.wire.send(payload, group_rank, msg.tag), buf, what))
-                total += msg.nbytes
+                if control is not None:
+                    frame = bytes_tensor(control.encode(), device)
+                    post(group.wire.send(frame, group_rank, CONTROL_TAG + msg.index), None, frame, what)
+                    total += int(frame.numel())
+                post(group.wire.send(payload, group_rank, msg.tag), buf, payload, what)
+                total += int(payload.numel())
             while in_flight:
-                op, done, what = in_flight.popleft()
+                op, done, _, what = in_flight.popleft()
                 op.wait(deadline, what)
                 self._give(done)
         return failure, total, len(messages)
+
+    def _encoded(
+        self, msg: ReshardMessage, packed: torch.Tensor, buf: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Control]:
+        """A delta pair's message: its payload (the delta, or the packed bytes when the delta is
+        not small enough), the buffer to give back once sent, and its control word."""
+        assert self.delta is not None
+        encoded = self.delta.encode(msg, packed)
+        control = Control(msg.index, encoded.nbytes, kind=encoded.kind, digest=encoded.digest)
+        if encoded.kind == FULL:
+            return packed, buf, control
+        self._give(buf)  # the packed bytes are in the base now
+        return encoded.data.to(device), None, control
 
     def _pack(
         self, state_dict: Mapping[str, torch.Tensor], msg: ReshardMessage, device: torch.device

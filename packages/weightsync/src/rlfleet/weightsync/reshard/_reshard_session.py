@@ -91,6 +91,12 @@ class ReshardStats:
     seconds: float
     peers: int
     extras: dict[str, Any] = field(default_factory=dict)
+    #: The base the delta pairs were against (None: every pair travelled full).
+    base: int | None = None
+    #: The peers' ranks whose pairs travelled as deltas (`_reshard_delta`).
+    delta_peers: tuple[int, ...] = ()
+    #: Bytes of these messages sent full (`nbytes` counts what moved, control words included).
+    full_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -134,6 +140,8 @@ class ReshardSession(SessionState):
         self._digest_word = _digest_word(self.program.digest)
         self._pool: list[torch.Tensor] = []
         self._decide = True
+        self._held_here = -1
+        self._peer_held: dict[Peer, int] = {}
 
     def _my_groups(self, groups: PeerGroup | Sequence[PeerGroup]) -> list[PeerGroup]:
         ordered = sorted([groups] if isinstance(groups, PeerGroup) else list(groups), key=lambda g: g.key)
@@ -193,22 +201,27 @@ class ReshardSession(SessionState):
         return status_round(group.wire, parts, deadline, f"{what} in group {group.key}")
 
     def _negotiate(
-        self, code: int, version: int, deadline: Deadline
+        self, code: int, version: int, deadline: Deadline, held: int = -1
     ) -> tuple[dict[int, str | None], list[int]]:
         """Per group: None if it agreed, else why not; plus every code seen.
 
         Generation ranks also report how many groups they are in (every generation rank is in
         every group): with one group, everybody sees the same commit statuses and the decision
-        round is skipped (`_decide`).
+        round is skipped (`_decide`). Every member reports the version it `held` as a delta's
+        base (-1: none), kept per peer for `_delta_peers` (`_reshard_delta`).
         """
         outcome: dict[int, str | None] = {}
         seen: list[int] = []
         groups_here = len(self.groups) if self.program.role == GEN else 0
         self._decide = False
+        self._held_here = held
+        self._peer_held = {}
         for g in self.groups:
-            codes, versions, digests, counts = self._round(
-                g, (code, version, self._digest_word, groups_here), deadline, "negotiation"
+            codes, versions, digests, counts, bases = self._round(
+                g, (code, version, self._digest_word, groups_here, held), deadline, "negotiation"
             )
+            for i, base in enumerate(bases):
+                self._peer_held[g.labels[i]] = base
             seen.extend(codes)
             self._decide = self._decide or max(counts) > 1
             problems = [f"{g.label(i)} {status_word(c)}" for i, c in enumerate(codes) if c]
@@ -221,6 +234,15 @@ class ReshardSession(SessionState):
                 )
             outcome[g.key] = "; ".join(problems) if problems else None
         return outcome, seen
+
+    def _delta_peers(self) -> set[int]:
+        """The peers (their ranks) that reported the same base as this rank in the negotiation:
+        the pairs that travel as deltas."""
+        held = self._held_here
+        if held < 0:
+            return set()
+        peers = self.program.peers()
+        return {rank for side, rank in peers if self._peer_held.get((side, rank), -1) == held}
 
     def _commit_rounds(
         self, ok_groups: Iterable[PeerGroup], code: int, vote: int, deadline: Deadline
