@@ -162,7 +162,7 @@ def test_a_request_outlasting_the_drain_leaves_its_worker_serving_and_routable(c
 def test_a_worker_left_behind_in_a_node_buffer_is_swapped_before_the_next_version_is_sent(
     cluster: Any,
 ) -> None:
-    """"Shared": a worker whose request outlasted the drain still binds the slot of the version
+    """ "Shared": a worker whose request outlasted the drain still binds the slot of the version
     before; the writer of the next version needs that slot. The next sync swaps it first (before:
     that sync, and every one after, waited out its deadline for the slot and failed)."""
     config = dataclasses.replace(_config("Shared"), drain_timeout_s=2.0, sync_timeout_s=8.0)
@@ -177,12 +177,16 @@ def test_a_worker_left_behind_in_a_node_buffer_is_swapped_before_the_next_versio
         group.init_weight_buffer()
         group.sync_weights()
         slow = group.rollout_batch(BatchedData([0], ["slow"])).values()[0]
-        with pytest.raises(PolicyGroupError, match=r"rollout worker (\d) still had requests in flight.*v1") as info:
+        busy_at_v1 = r"rollout worker (\d) still had requests in flight.*v1"
+        with pytest.raises(PolicyGroupError, match=busy_at_v1) as info:
             group.sync_weights()  # v2: the other swaps, the busy one keeps serving v1 (its slot bound)
-        busy = int(re.search(r"rollout worker (\d)", str(info.value)).group(1))  # type: ignore[union-attr]
+        named = re.search(busy_at_v1, str(info.value))
+        assert named is not None
+        busy = int(named.group(1))
         assert group.eval_weight_versions() == [1 if i == busy else 2 for i in range(2)]
-        report = group.sync_weights()  # v3: worker 1 swapped to v2 first, then v3 written and applied
-        assert report is not None and report.ok, report
+        report = group.sync_weights()  # v3: the busy one swapped to v2 first, then v3 written and applied
+        assert report is not None
+        assert report.ok, report
         assert ray.get(slow, timeout=60)["version"] == 1
         assert group.eval_weight_versions() == [3, 3]
         assert _serves(group) == [3, 3]
