@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,8 @@ from rlfleet.placement import (
     SyncReport,
     plan_sync,
     predict_sync_wall,
+    schedule_calls,
+    sync_report,
 )
 
 PROCS = [
@@ -121,3 +124,68 @@ def test_async_fields_say_the_serving_stall_and_the_versions_skipped() -> None:
         dataclasses.replace(report, skipped_versions=(3,))
     with pytest.raises(SyncPlanError, match="serving_stall_seconds must be a non-negative"):
         dataclasses.replace(report, serving_stall_seconds=-1.0)
+
+
+def test_a_step_says_what_it_moved_and_the_report_sums_it() -> None:
+    """Issue 27: bytes on the wire beside the full version's, the base of a delta, and which
+    receivers got the delta and which the full version (and which lacked the base)."""
+    delta = StepReport(0, 0.1, 0.09, {"wire": 0.05}, 1_200_000, 4_800_000, 3, ("r1", "r2"))
+    full = StepReport(1, 0.1, 0.09, {"land": 0.05}, 4_800_000, 4_800_000, None, (), ("r0",), ("r0",))
+    report = SyncReport(4, True, None, (delta, full), 0.2, 0.18, "d")
+    assert delta.is_delta
+    assert not full.is_delta
+    assert (report.bytes_on_wire, report.full_bytes) == (6_000_000, 9_600_000)
+    assert (report.delta_receivers, report.full_receivers) == (("r1", "r2"), ("r0",))
+    assert (
+        report.moved()
+        == "6 MB on the wire of 9.6 MB full; delta from v3 to r1, r2; full to r0 (r0 lacked the base)"
+    )
+    assert report.summary().endswith("2 steps; " + report.moved())
+    assert "\n" not in report.summary()
+    assert SyncReport.from_dict(json.loads(report.to_json())) == report
+    assert executed(2, "d").moved() == ""  # an executor that says nothing of bytes: nothing said
+    older = executed(1, "x").to_dict()
+    for step in older["steps"]:
+        for name in ("bytes_on_wire", "full_bytes", "delta_base", "delta_receivers", "full_receivers"):
+            del step[name]
+    assert SyncReport.from_dict(older) == executed(1, "x")  # a report written before these fields
+
+
+def test_what_a_step_moved_is_checked() -> None:
+    with pytest.raises(
+        SyncPlanError, match=r"step report 0: bytes_on_wire must be a non-negative int, got -1"
+    ):
+        StepReport(0, 0.1, 0.1, bytes_on_wire=-1)
+    with pytest.raises(SyncPlanError, match=r"delta_receivers \['r1'\] without a delta_base"):
+        StepReport(0, 0.1, 0.1, delta_receivers=("r1",))
+    with pytest.raises(SyncPlanError, match=r"\['r1'\] listed as receiving both"):
+        StepReport(0, 0.1, 0.1, delta_base=2, delta_receivers=("r1",), full_receivers=("r1",))
+    with pytest.raises(SyncPlanError, match="full_receivers must be a sequence of process ids"):
+        StepReport(0, 0.1, 0.1, full_receivers="r1")  # type: ignore[arg-type]
+
+
+def test_sync_report_carries_what_each_sender_put_on_the_wire() -> None:
+    """A broadcast sender that reports a delta: its receivers got the delta; a step whose sender
+    says nothing (the node buffer's publish) sent the full version of its buckets."""
+    plan = plan_sync(PROCS, [2**20] * 4, "Double")
+    calls = schedule_calls(plan)
+    assert [(c.kind, c.pid) for c in calls] == [
+        ("send", "t0"), ("receive", "r1"), ("receive", "r2"), ("publish", "t0"), ("stage", "r0"),
+    ]  # fmt: skip
+    timings: list[Any] = [{"t0": 100.0, "t1": 100.5, "phases": {}} for _ in calls]
+    timings[0]["wire"] = {"bytes": 65_000, "full_bytes": 2**22, "base": 1, "lacking": []}
+    report = sync_report(plan, calls, timings, version=2, started=100.0, error=None, finished=101.0)
+    by = {s.index: s for s in report.steps}
+    assert (by[0].bytes_on_wire, by[0].full_bytes, by[0].delta_base) == (65_000, 2**22, 1)
+    assert (by[0].delta_receivers, by[0].full_receivers) == (("r1", "r2"), ())
+    assert (by[1].bytes_on_wire, by[1].full_bytes, by[1].delta_base) == (2**22, 2**22, None)
+    assert (by[1].delta_receivers, by[1].full_receivers) == ((), ("r0",))
+    assert report.bytes_on_wire == 65_000 + 2**22
+    assert "delta from v1 to r1, r2; full to r0" in report.summary()
+    # the first version (no base yet) and one a receiver lacked the base of go full to every receiver
+    timings[0]["wire"] = {"bytes": 2**22, "full_bytes": 2**22, "base": None, "lacking": ["r2"]}
+    report = sync_report(plan, calls, timings, version=3, started=100.0, error=None, finished=101.0)
+    assert report.steps[0].full_receivers == ("r1", "r2")
+    assert report.steps[0].lacking_base == ("r2",)
+    assert report.delta_receivers == ()
+    assert report.summary().endswith("full to r1, r2, r0 (r2 lacked the base)")

@@ -14,6 +14,8 @@ from rlfleet.weightsync import (
     Assembly,
     BucketConsumer,
     BucketTarget,
+    DeferredCommit,
+    DiscardingConsumer,
     DoubleBuffer,
     IncompleteSyncError,
     Layout,
@@ -21,10 +23,13 @@ from rlfleet.weightsync import (
     RecordingConsumer,
     SyncAbortedError,
     TensorTarget,
+    TimedConsumer,
     VersionError,
     checksum,
     pack_bucket,
 )
+from rlfleet.weightsync.buffers import ExpectedVersion
+from rlfleet.weightsync.codec import holds_base, pack_base
 
 BUCKET = 8 * 1024
 
@@ -249,3 +254,35 @@ def test_a_single_version_assembly_fails_fast_once_a_part_could_not_begin() -> N
     fresh.part("a").abort(SyncAbortedError("its sender died"))
     with pytest.raises(VersionError, match="sender 'b' announces version 4"):
         fresh.part("b").begin(4)  # still the same receive: version 3 or nothing
+
+
+def test_adapters_pass_a_delta_base_through_only_when_what_they_wrap_has_one() -> None:
+    """Issue 27: a receive through policygroup's adapters (`ExpectedVersion`, `DeferredCommit`,
+    `TimedConsumer`, an `AssemblyPart`) holds the base of a delta exactly when the buffer it wraps does, and
+    rebuilds on that buffer's applied version; a part never lends a bucket outside its share."""
+    layout = _layout()
+    state = w.make_state(3)
+    inner = DoubleBuffer(w.zeros_like_layout(layout), layout)
+    inner.begin(3)
+    _feed(inner, state, list(range(len(layout.buckets))))
+    inner.commit(3)
+    assembly = Assembly(TimedConsumer(ExpectedVersion(inner, 4)), _halves(layout))
+    part = assembly.part("b")
+    deferred = TimedConsumer(ExpectedVersion(DeferredCommit(inner), 4))  # a Double endpoint's receive
+    wrapped = [ExpectedVersion(inner, 4), TimedConsumer(inner), deferred, part]
+    scratch = torch.empty(layout.max_bucket_nbytes, dtype=torch.uint8)
+    last = len(layout.buckets) - 1
+    want = torch.empty(layout.buckets[last].nbytes, dtype=torch.uint8)
+    assert pack_base(layout, last, inner.live, want)
+    for consumer in wrapped:
+        assert holds_base(consumer, 3), consumer
+        assert not holds_base(consumer, 2), consumer
+        out = scratch[: layout.buckets[last].nbytes]
+        out.fill_(0xFF)
+        assert consumer.copy_base(last, out)  # type: ignore[attr-defined]
+        assert torch.equal(out, want)
+    assert not part.copy_base(0, scratch[: layout.buckets[0].nbytes])  # bucket 0 is in share "a"
+    discarding = DiscardingConsumer(layout, 4)  # holds nothing to rebuild on
+    for consumer in (ExpectedVersion(discarding, 4), TimedConsumer(discarding)):
+        assert not holds_base(consumer, 3)
+        assert not consumer.copy_base(0, scratch[: layout.buckets[0].nbytes])

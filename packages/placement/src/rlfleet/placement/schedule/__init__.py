@@ -8,6 +8,7 @@ from rlfleet.placement.schedule._calls import (
     GroupPart,
     PartResult,
     PlannedCall,
+    WireResult,
     schedule_calls,
     sync_report,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "PlannedCall",
     "RankInfo",
     "SyncGroups",
+    "WireResult",
     "WorkerSite",
     "check_sync_options",
     "cuda_ipc_mode",

@@ -17,8 +17,11 @@ from when it could start (the sync's start, or its dependencies' end) to its las
 what its own phases do not explain is control (the executor's calls).
 
 The contract with the worker that runs the calls is typed here: each call kind's worker method
-returns a `CallResult` (wall-clock ``t0``/``t1``, its phases, its value, and for a receive one
-`PartResult` per sender), and `sync_report` reads exactly those fields.
+returns a `CallResult` (wall-clock ``t0``/``t1``, its phases, its value, for a receive one
+`PartResult` per sender, and for a sending call what it put on the wire, a `WireResult`), and
+`sync_report` reads exactly those fields. A step whose sender says nothing of its bytes sent
+the full version of its buckets (the plan's bytes): only a sender that reports a delta base
+sent less, and the step's receivers are then listed as having received the delta.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = [
     "GroupPart",
     "PartResult",
     "PlannedCall",
+    "WireResult",
     "schedule_calls",
     "sync_report",
 ]
@@ -66,16 +70,28 @@ class CallTimes(TypedDict):
     phases: dict[str, float]
 
 
+class WireResult(TypedDict, total=False):
+    """What a sending call put on its transport: ``bytes`` sent, ``full_bytes`` of the full
+    version of its buckets, ``base`` the version a delta was against (None: full) and
+    ``lacking`` the receivers (process ids) that did not hold the base offered."""
+
+    bytes: int
+    full_bytes: int
+    base: int | None
+    lacking: list[str]
+
+
 class CallResult(CallTimes, total=False):
     """What a worker's step call returns to the executor (plain data: it crosses Ray): its
-    times and phases, its value (bytes moved, the version applied), and, for a receive, one
-    `PartResult` per sender id."""
+    times and phases, its value (bytes moved, the version applied), for a receive one
+    `PartResult` per sender id, and for a send what went on the wire (`WireResult`)."""
 
     value: Any
     parts: dict[str, PartResult]
+    wire: WireResult
 
 
-for _typed in (PartResult, CallTimes, CallResult):
+for _typed in (PartResult, CallTimes, WireResult, CallResult):
     public(_typed)  # help() and tracebacks name the package root (a TypedDict takes no decorator)
 
 
@@ -239,7 +255,8 @@ def sync_report(
         phases, ends[step.index] = _phases(step, [calls[i] for i in mine], got)
         measured = max(0.0, ends[step.index] - begin)
         phases["control"] = max(0.0, measured - _own(phases))
-        steps.append(StepReport(step.index, measured, step.predicted_seconds, phases))
+        moved = _moved(plan, step, [calls[i] for i in mine], got)
+        steps.append(StepReport(step.index, measured, step.predicted_seconds, phases, **moved))
     now = time.time() if finished is None else finished
     return SyncReport(
         version,
@@ -250,6 +267,30 @@ def sync_report(
         plan.predicted_seconds,
         plan.digest,
     )
+
+
+_SENDING: tuple[CallKind, ...] = ("send", "publish", "ipc_send")
+
+
+def _moved(
+    plan: SyncPlan, step: SyncStep, calls: Sequence[PlannedCall], timings: Sequence[CallResult]
+) -> dict[str, Any]:
+    """A step's bytes and who got what: its sender's `WireResult`, else the plan's full bytes."""
+    full = sum(plan.bucket_bytes[b] for b in step.buckets)
+    wire: WireResult = {}
+    for call, t in zip(calls, timings, strict=True):
+        if call.kind in _SENDING and call.pid == step.src:
+            wire = t.get("wire", {})
+    sent, base = int(wire.get("bytes", full)), wire.get("base")
+    lacking = tuple(str(p) for p in wire.get("lacking", ()))
+    return {
+        "bytes_on_wire": sent,
+        "full_bytes": int(wire.get("full_bytes", full)),
+        "delta_base": None if base is None else int(base),
+        "delta_receivers": step.dst if base is not None else (),
+        "full_receivers": () if base is not None else step.dst,
+        "lacking_base": lacking,
+    }
 
 
 def _own(phases: Mapping[str, float]) -> float:

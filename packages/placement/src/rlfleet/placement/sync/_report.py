@@ -13,6 +13,12 @@ Async RL reads two more: ``serving_stall_seconds``, the longest interval in whic
 worker admitted no request because of this sync (its swap, or its whole transfer when it
 applies in place), and ``skipped_versions``, the versions committed by the trainers that this
 sync superseded before they were sent (no rollout worker received them).
+
+What travelled: each step says the bytes its sender put on its transport (``bytes_on_wire``)
+beside the bytes of the full version of its buckets (``full_bytes``), the base version a delta
+was sent against (``delta_base``; None: the full version) and which receivers got which
+(``delta_receivers``, ``full_receivers``, and ``lacking_base``: those that did not hold the
+offered base, so the step went full to all of them). The report sums them.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.placement._errors import SyncPlanError
+from rlfleet.placement._format import human_bytes
 from rlfleet.placement._public import public
 
 if TYPE_CHECKING:
@@ -48,17 +55,46 @@ def _seconds(value: object, what: str) -> float:
     return float(value)
 
 
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SyncPlanError(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _pids(value: object, what: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise SyncPlanError(f"{what} must be a sequence of process ids, got {value!r}")
+    bad = [p for p in value if not isinstance(p, str) or not p]
+    if bad:
+        raise SyncPlanError(f"{what} must be process ids (non-empty strings), got {bad}")
+    return tuple(value)
+
+
+def _names(pids: tuple[str, ...]) -> str:
+    return ", ".join(pids)
+
+
 @public
 @dataclass(frozen=True)
 class StepReport:
     """One executed step: its measured time and phases, beside the plan's prediction for it.
 
-    `index` is the step's index in the plan it ran (`SyncPlan.steps`)."""
+    `index` is the step's index in the plan it ran (`SyncPlan.steps`). What it moved (None:
+    not reported): `bytes_on_wire` its sender sent, `full_bytes` the full version of its
+    buckets; `delta_base` the version a delta was against (None: the full version went);
+    `delta_receivers` / `full_receivers` which of its receivers got which; `lacking_base` the
+    receivers that did not hold the base offered (the reason it went full)."""
 
     index: int
     measured_seconds: float
     predicted_seconds: float
     phases: Mapping[str, float] = field(default_factory=dict)
+    bytes_on_wire: int | None = None
+    full_bytes: int | None = None
+    delta_base: int | None = None
+    delta_receivers: tuple[str, ...] = ()
+    full_receivers: tuple[str, ...] = ()
+    lacking_base: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
@@ -73,6 +109,24 @@ class StepReport:
         for name, value in phases.items():
             phases[name] = _seconds(value, f"{where}: phase {name!r}")
         object.__setattr__(self, "phases", phases)
+        self._check_moved(where)
+
+    def _check_moved(self, where: str) -> None:
+        for name in ("bytes_on_wire", "full_bytes", "delta_base"):
+            if getattr(self, name) is not None:
+                _count(getattr(self, name), f"{where}: {name}")
+        for name in ("delta_receivers", "full_receivers", "lacking_base"):
+            object.__setattr__(self, name, _pids(getattr(self, name), f"{where}: {name}"))
+        if self.delta_base is None and self.delta_receivers:
+            raise SyncPlanError(f"{where}: delta_receivers {list(self.delta_receivers)} without a delta_base")
+        both = sorted(set(self.delta_receivers) & set(self.full_receivers))
+        if both:
+            raise SyncPlanError(f"{where}: {both} listed as receiving both the delta and the full version")
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether this step sent a delta (against `delta_base`) rather than the full version."""
+        return self.delta_base is not None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,15 +134,31 @@ class StepReport:
             "measured_seconds": self.measured_seconds,
             "predicted_seconds": self.predicted_seconds,
             "phases": dict(self.phases),
+            "bytes_on_wire": self.bytes_on_wire,
+            "full_bytes": self.full_bytes,
+            "delta_base": self.delta_base,
+            "delta_receivers": list(self.delta_receivers),
+            "full_receivers": list(self.full_receivers),
+            "lacking_base": list(self.lacking_base),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StepReport:
+        def count(name: str) -> int | None:
+            value = data.get(name)
+            return None if value is None else int(value)
+
         return cls(
             int(data["index"]),
             float(data["measured_seconds"]),
             float(data["predicted_seconds"]),
             dict(data.get("phases", {})),
+            count("bytes_on_wire"),
+            count("full_bytes"),
+            count("delta_base"),
+            tuple(data.get("delta_receivers") or ()),
+            tuple(data.get("full_receivers") or ()),
+            tuple(data.get("lacking_base") or ()),
         )
 
 
@@ -165,6 +235,45 @@ class SyncReport:
         return self.wall_seconds / self.predicted_wall_seconds
 
     @property
+    def bytes_on_wire(self) -> int | None:
+        """What the steps' senders sent, in all (None: no step said)."""
+        sent = [s.bytes_on_wire for s in self.steps if s.bytes_on_wire is not None]
+        return sum(sent) if sent else None
+
+    @property
+    def full_bytes(self) -> int | None:
+        """What the same steps would have sent as full versions (None: no step said)."""
+        full = [s.full_bytes for s in self.steps if s.full_bytes is not None]
+        return sum(full) if full else None
+
+    @property
+    def delta_receivers(self) -> tuple[str, ...]:
+        """Receivers that got a delta in some step, in step order."""
+        return tuple(dict.fromkeys(p for s in self.steps for p in s.delta_receivers))
+
+    @property
+    def full_receivers(self) -> tuple[str, ...]:
+        """Receivers that got the full version (of their buckets) in some step, in step order."""
+        return tuple(dict.fromkeys(p for s in self.steps for p in s.full_receivers))
+
+    def moved(self) -> str:
+        """What travelled, e.g. ``"1.2 MB on the wire of 4.8 MB full; delta from v3 to r1, r2;
+        full to r0"`` (empty when no step said)."""
+        sent, full = self.bytes_on_wire, self.full_bytes
+        if sent is None:
+            return ""
+        text = f"{human_bytes(sent)} on the wire" + ("" if full is None else f" of {human_bytes(full)} full")
+        bases = sorted({s.delta_base for s in self.steps if s.delta_base is not None})
+        if self.delta_receivers:
+            text += f"; delta from {', '.join(f'v{b}' for b in bases)} to {_names(self.delta_receivers)}"
+        if self.full_receivers:
+            text += f"; full to {_names(self.full_receivers)}"
+        lacking = tuple(dict.fromkeys(p for s in self.steps for p in s.lacking_base))
+        if lacking:
+            text += f" ({_names(lacking)} lacked the base)"
+        return text
+
+    @property
     def ratio(self) -> float:
         """Measured over predicted (inf when nothing was predicted)."""
         if self.predicted_seconds <= 0:
@@ -188,6 +297,8 @@ class SyncReport:
             line += f"; serving stall {self.serving_stall_seconds * 1e3:.3g} ms"
         if self.skipped_versions:
             line += f"; skipped {', '.join(f'v{v}' for v in self.skipped_versions)}"
+        if moved := self.moved():
+            line += f"; {moved}"
         return line
 
     def matches(self, plan: SyncPlan) -> bool:

@@ -99,12 +99,33 @@ def outcomes(run: Execution, calls: Calls, what: str) -> list[tuple[Policy, Outc
     return [(p, r) for (p, _), r in zip(run.calls, results, strict=True)]
 
 
-def report(run: Execution, results: list[tuple[Policy, Outcome]], error: str | None) -> placement.SyncReport:
-    """The measured steps (every step whose calls all succeeded) next to the plan's predictions."""
+def report(
+    run: Execution,
+    results: list[tuple[Policy, Outcome]],
+    error: str | None,
+    pid_of_rank: Mapping[int, str] | None = None,
+) -> placement.SyncReport:
+    """The measured steps (every step whose calls all succeeded) next to the plan's predictions,
+    with what each sender put on the wire (`pid_of_rank`: the world's ranks by process id, to name
+    the receivers a sender found lacking its base)."""
     timings = [
-        cast(placement.CallResult, v) if err is None and isinstance(v, Mapping) else None
+        _named(cast(placement.CallResult, v), pid_of_rank or {})
+        if err is None and isinstance(v, Mapping)
+        else None
         for _, (v, err) in results
     ]
     return placement.sync_report(
         run.plan, run.planned, timings, version=run.version, started=run.started, error=error
     )
+
+
+def _named(timing: placement.CallResult, pid_of_rank: Mapping[int, str]) -> placement.CallResult:
+    """A send's `WireResult` names the receivers that lacked the base by world rank
+    (``lacking_ranks``, all a worker knows); the report names processes (``lacking``)."""
+    wire = timing.get("wire")
+    if wire is None:
+        return timing
+    sent: dict[str, Any] = dict(wire)
+    ranks = [int(r) for r in sent.pop("lacking_ranks", [])]
+    sent["lacking"] = [pid_of_rank.get(r, f"rank {r}") for r in ranks]
+    return {**timing, "wire": cast(placement.WireResult, sent)}

@@ -199,9 +199,8 @@ class WeightSync:
             results = run_steps.outcomes(run, self.calls, f"send_weights v{version}")
             failed = [(p, err) for p, (_, err) in results if err is not None]
             first = None if not failed else min(failed, key=lambda f: vagueness(f[1]))
-            self.report = run_steps.report(
-                run, results, None if first is None else f"{roster.name(first[0])}: {first[1]}"
-            )
+            error = None if first is None else f"{roster.name(first[0])}: {first[1]}"
+            self.report = run_steps.report(run, results, error, self._pid_of_rank())
             if not failed:
                 if in_place:
                     self.applied(version)
@@ -219,6 +218,11 @@ class WeightSync:
                 self.rollouts.undrain(drained)
                 self._stalled(idle)  # "None" applied in place: the stall is the transfer
                 self._report_stall(version)
+
+    def _pid_of_rank(self) -> dict[int, str]:
+        """The world's ranks by process id (empty before the groups are formed)."""
+        comm = self.wiring.comm
+        return {} if comm is None else {rank: pid for pid, rank in comm.rank_of.items()}
 
     def _time_whole(self, steps_began: float, begun: float) -> None:
         """Put the whole send in the report: before the steps that delivered the version (checks,

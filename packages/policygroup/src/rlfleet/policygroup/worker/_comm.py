@@ -30,6 +30,7 @@ from rlfleet.weightsync import (
     Layout,
     MemberGroup,
     RendezvousTimeoutError,
+    SyncStats,
     SyncTimeoutError,
     connect_store,
     host_store,
@@ -73,6 +74,9 @@ class WorkerComm:
         self._by_mode: dict[str, str] = {}  # mode -> group id
         self._registered: set[str] = set()  # groups torch.distributed knows (made by every rank)
         self._broadcasts: dict[tuple[str, str, int], BroadcastSender | BroadcastReceiver] = {}
+        #: (group id, version) -> what this rank's broadcast of that version sent (`SyncStats`),
+        #: until the step call that made it takes it (`take_sent`).
+        self.sent: dict[tuple[str, int], SyncStats] = {}
         self._collective_store: Any = None
         self.collective: dict[str, Any] = {}  # init_collective's facts (JSON-safe), for the refit
 
@@ -241,6 +245,29 @@ class WorkerComm:
     def forget_broadcasts(self) -> None:
         """Drop the broadcast ends (a changed model needs new ones); the groups stay."""
         self._broadcasts.clear()
+        self.sent.clear()
+
+    def take_sent(self, group_id: str, version: int) -> dict[str, Any] | None:
+        """What this rank's broadcast of `version` in `group_id` put on the wire, as plain data
+        (bytes, full bytes, the delta's base or None, and ``lacking_ranks``: the world ranks of
+        the receivers that lacked the offered base); None if it recorded nothing."""
+        stats = self.sent.pop((group_id, version), None)
+        if stats is None:
+            return None
+        full = stats.wire_bytes if stats.base is None else stats.full_bytes or stats.wire_bytes
+        return {  # a delta's full size is its buckets' (padding included: what a delta compares)
+            "bytes": int(stats.wire_bytes),
+            "full_bytes": int(full),
+            "base": stats.base,
+            "lacking_ranks": [self.world_rank(group_id, r) for r in stats.full_ranks],
+        }
+
+    def world_rank(self, group_id: str, rank: int) -> int:
+        """The world rank of group rank `rank` in `group_id` (weightsync names a member by its
+        rank in the group: a torch group's, or a member group's index)."""
+        if group_id in self._registered:
+            return int(dist.get_global_rank(self._groups[group_id], rank))
+        return self._ranks[group_id][rank]
 
 
 class CommGroupCalls:

@@ -13,20 +13,23 @@ sync (`PolicyGroup.sync_weights(block=False)`) first asks each sending trainer f
 (``sync_snapshot``, which returns once it is queued; ``wait_snapshot``; `_snapshots`), and its
 steps then send that snapshot, never the live weights. Each takes the
 sync's one deadline (a wall-clock time every step shares) and returns what it measured: start
-and end (``time.time()``) and its phases. They call the overridable methods below
-(`publish_shared`, `send_broadcast`, `recv_broadcast`, `stage_from_segment`, `send_ipc`,
-`recv_ipc`), so a policy that writes its node buffer its own way keeps working.
+and end (``time.time()``) and its phases; ``sync_send`` also what its broadcast put on the
+wire (bytes, full bytes, a delta's base, the world ranks that lacked it), for the `SyncReport`.
+They call the overridable methods below (`publish_shared`, `send_broadcast`, `recv_broadcast`,
+`stage_from_segment`, `send_ipc`, `recv_ipc`), so a policy that writes its node buffer its own
+way keeps working.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 
-from rlfleet.placement import CallKind, CallResult, PartResult
+from rlfleet.placement import CallKind, CallResult, PartResult, WireResult
 from rlfleet.policygroup.worker._host import WorkerHost
 from rlfleet.weightsync import (
     DTYPES,
@@ -109,7 +112,11 @@ class WeightCalls(WorkerHost):
         """A broadcast step's sender: `buckets` (None: all) of this version to the group."""
         left = left_until(deadline_at, f"broadcast in {group_id}")
         size = self.config.weight_buffer.bucket_bytes
-        return timed(lambda: self.send_broadcast(group_id, version, size, left, buckets=buckets), "wire")
+        out = timed(lambda: self.send_broadcast(group_id, version, size, left, buckets=buckets), "wire")
+        sent = self._comm.take_sent(group_id, version)
+        if sent is not None:  # the executor names the ranks that lacked the base (`lacking`)
+            out["wire"] = cast(WireResult, sent)
+        return out
 
     def sync_snapshot(self, version: int, slot: int, kinds: Sequence[str], deadline_at: float) -> float:
         """A non-blocking sync's first call on a sending trainer: queue the snapshot of `version`
@@ -227,16 +234,21 @@ class WeightCalls(WorkerHost):
         *,
         buckets: Sequence[int] | None = None,
     ) -> int:
-        """Broadcast `buckets` (None: all) of this trainer's weights in group `group_id` (we are the root)."""
+        """Broadcast `buckets` (None: all) of this trainer's weights in group `group_id` (we are the
+        root); returns the bytes sent (fewer than the full version's when a delta went)."""
         wire = getattr(self.config.weight_buffer, "wire_dtype", None)
         layout = self._weights.layout_for(self.model, bucket_bytes, wire)
         sender = self._comm.sender(group_id, layout, getattr(self.config.weight_buffer, "delta", "off"))
         deadline = Deadline(timeout_s)
         weights = self._snapshots.copy_for(version, deadline)  # a non-blocking sync's snapshot
-        sender.send(
+        stats = sender.send(
             self.model.state_dict() if weights is None else weights, version, deadline, buckets=buckets
         )
-        return layout.padded_bytes
+        last = None if sender.delta is None else sender.delta.last
+        if stats.base is not None and last is not None and last.sent_bytes >= last.full_bytes:
+            stats = dataclasses.replace(stats, base=None)  # every bucket went full: no delta sent
+        self._comm.sent[(group_id, version)] = stats  # what went on the wire: the step's report
+        return int(stats.wire_bytes)
 
     def send_ipc(self, channel: str, version: int, timeout_s: float) -> int:
         """Send this version of our weights through our IPC channel `channel`; bytes moved."""

@@ -42,6 +42,7 @@ from rlfleet.weightsync._errors import (
     SyncTimeoutError,
     VersionError,
 )
+from rlfleet.weightsync.codec._delta_state import DeltaBase
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._core import consumer_error
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
@@ -398,6 +399,20 @@ class AssemblyPart:
             return None
         with self.assembly._inner_lock:
             return inner.tensor_target(name)
+
+    @property
+    def takes_deltas(self) -> bool:
+        """Whether `inner` can rebuild a delta of this share on its applied version."""
+        inner = self.assembly.inner
+        return isinstance(inner, DeltaBase) and bool(getattr(inner, "takes_deltas", True))
+
+    def copy_base(self, index: int, out: torch.Tensor) -> bool:
+        """Bucket `index` (of this share) of the applied version: a delta's base."""
+        inner = self.assembly.inner
+        if index not in self.share or not isinstance(inner, DeltaBase):
+            return False
+        with self.assembly._inner_lock:
+            return inner.copy_base(index, out)
 
     def prepare_commit(
         self, version: int, deadline: Deadline | float | None = DEFAULT_SYNC_TIMEOUT_S

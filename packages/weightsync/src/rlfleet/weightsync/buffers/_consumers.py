@@ -6,9 +6,11 @@
 - `DeferredCommit`: stages through an inner buffer and leaves the inner commit for later. A
   transport commits every receiver when the transfer ends; a rolling update wants the transfer
   finished everywhere first and each receiver's swap later, while that receiver is drained.
+  Its base for a delta is the inner buffer's applied version (passed through, as below).
 - `ExpectedVersion`: takes only the version the receiver asked for. A transport's sender
   announces the version; a receiver asked for another one refuses it at `begin`, before any
-  byte lands, instead of applying it and noticing afterwards.
+  byte lands, instead of applying it and noticing afterwards. It passes a delta's base through
+  (`copy_base`, `takes_deltas`) when its inner consumer has one.
 - `module_part_buffer`: a Double buffer over the part of a module a layout names (one rank's
   shards of a resharded model), resuming at the module's version.
 """
@@ -22,11 +24,19 @@ import torch
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import IncompleteSyncError, LayoutMismatchError, VersionError
 from rlfleet.weightsync.buffers._buffers import DEFAULT_COMMIT_TIMEOUT_S, DoubleBuffer, ServingLock
+from rlfleet.weightsync.codec._delta_state import DeltaBase
 from rlfleet.weightsync.layout._block import live_tensors
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
 
-__all__ = ["DeferredCommit", "DiscardingConsumer", "ExpectedVersion", "module_part_buffer"]
+__all__ = ["DeferredCommit", "DiscardingConsumer", "ExpectedVersion", "module_part_buffer", "takes_deltas"]
+
+
+def takes_deltas(consumer: object) -> bool:
+    """Whether `consumer` (an adapter's inner one) can rebuild a delta: a wrapper says so only
+    when what it wraps can, so a sender's delta is offered through adapters and refused by
+    those that cannot provide a base."""
+    return isinstance(consumer, DeltaBase) and bool(getattr(consumer, "takes_deltas", True))
 
 
 class DiscardingConsumer:
@@ -96,6 +106,14 @@ class DeferredCommit:
         target = getattr(self.inner, "tensor_target", None)
         return None if target is None else target(name)
 
+    @property
+    def takes_deltas(self) -> bool:
+        """Whether `inner` can rebuild a delta on its applied version (`codec.DeltaBase`)."""
+        return takes_deltas(self.inner)
+
+    def copy_base(self, index: int, out: torch.Tensor) -> bool:
+        return isinstance(self.inner, DeltaBase) and self.inner.copy_base(index, out)
+
     def prepare_commit(self, version: int, deadline: Deadline | None = None) -> None:
         """Raise unless `version` is pending and every bucket of it arrived."""
         with self._lock:
@@ -159,6 +177,14 @@ class ExpectedVersion:
     def tensor_target(self, name: str) -> torch.Tensor | None:
         target = getattr(self.inner, "tensor_target", None)
         return None if target is None else target(name)
+
+    @property
+    def takes_deltas(self) -> bool:
+        """Whether `inner` can rebuild a delta on its applied version (`codec.DeltaBase`)."""
+        return takes_deltas(self.inner)
+
+    def copy_base(self, index: int, out: torch.Tensor) -> bool:
+        return isinstance(self.inner, DeltaBase) and self.inner.copy_base(index, out)
 
     def prepare_commit(self, version: int, deadline: Deadline | float | None = None) -> None:
         prepare = getattr(self.inner, "prepare_commit", None)

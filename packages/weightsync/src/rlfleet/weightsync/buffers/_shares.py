@@ -26,6 +26,8 @@ __all__ = ["SharesReceiver", "TimedConsumer"]
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import SyncAbortedError
 from rlfleet.weightsync.buffers._assembly import Assembly
+from rlfleet.weightsync.buffers._consumers import takes_deltas
+from rlfleet.weightsync.codec._delta_state import DeltaBase
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
 
@@ -74,6 +76,14 @@ class TimedConsumer:
 
     def tensor_target(self, name: str) -> torch.Tensor | None:
         return _landing(self.inner, "tensor_target", name)
+
+    @property
+    def takes_deltas(self) -> bool:
+        """Whether `inner` can rebuild a delta on its applied version (`codec.DeltaBase`)."""
+        return takes_deltas(self.inner)
+
+    def copy_base(self, index: int, out: torch.Tensor) -> bool:
+        return isinstance(self.inner, DeltaBase) and self.inner.copy_base(index, out)
 
     def prepare_commit(self, version: int, deadline: Deadline) -> None:
         prepare = getattr(self.inner, "prepare_commit", None)
