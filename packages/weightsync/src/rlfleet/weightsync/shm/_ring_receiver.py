@@ -3,7 +3,9 @@
 A receiver waits for a session it is a member of, hands each published slot to its
 `BucketConsumer` (checking the sender's layout digest first and each bucket's CRC32 when the
 sender stores them), acknowledges it, and reports its outcome; every wait checks the writer's
-liveness and ends by the deadline (`DEFAULT_RING_TIMEOUT_S`, 60 s, by default).
+liveness and ends by the deadline (`DEFAULT_RING_TIMEOUT_S`, 60 s, by default). A session that
+offers a delta base is first told whether this reader's consumer holds it; a delta slot is
+rebuilt where the full bucket would land and checked against the writer's digest (`_shm_ring`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from rlfleet.weightsync._errors import (
     SyncAbortedError,
     WeightSyncError,
 )
+from rlfleet.weightsync.codec._delta import DELTA_KINDS, FULL
+from rlfleet.weightsync.codec._delta_state import DeltaBase, holds_base, rebuild
 from rlfleet.weightsync.layout._integrity import bucket_checksum
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
+from rlfleet.weightsync.protocol._wire_base import BucketTarget
 from rlfleet.weightsync.shm._control_block import INT64_MAX, ControlBlock, Every, probe_header
 from rlfleet.weightsync.shm._shm import PAGE, SharedSegment, memory_fence
 
@@ -50,6 +55,7 @@ class ShmRingReceiver:
         self._last_session = last_session
         self._sender_layout: Layout | None = None
         self._liveness = Every()
+        self._rebuilt: torch.Tensor | None = None  # where a delta is rebuilt without a landing zone
 
     @property
     def name(self) -> str:
@@ -103,7 +109,7 @@ class ShmRingReceiver:
             )
         ring.set(ring.reader(index, rf.R_ATTACHED), 0)
         ring.claim_reader(index)
-        for field in (rf.R_ACK, rf.R_DONE, rf.R_RESULT):
+        for field in (rf.R_ACK, rf.R_DONE, rf.R_RESULT, rf.R_HELD_SESSION):
             ring.set(ring.reader(index, field), 0)
         ring.set(ring.reader(index, rf.R_EPOCH), epoch + 1)
 
@@ -170,6 +176,7 @@ class ShmRingReceiver:
                 )
             checksums = bool(ring.get(rf.G_CHECKSUMS))
             consumer.begin(version)
+            delta = self._report_base(consumer, session)
             for k in range(nbuckets):
                 j = k % ring.num_slots
                 seq = base + k + 1
@@ -177,10 +184,7 @@ class ShmRingReceiver:
                     ring.slot(j, rf.S_SEQ), seq, session, deadline, f"bucket {k} of version {version}"
                 )
                 memory_fence()
-                nbytes = ring.get(ring.slot(j, rf.S_NBYTES))
-                if ring.get(ring.slot(j, rf.S_BUCKET)) != k or nbytes != consumer.layout.buckets[k].nbytes:
-                    raise MetadataError(f"ring {self.name}: slot {j} does not hold bucket {k} as announced")
-                data = self._slots[j][:nbytes]
+                data = self._slot_data(consumer, k, j, delta)
                 if checksums:
                     expected = ring.get(ring.slot(j, rf.S_CRC))
                     actual = bucket_checksum(data)
@@ -190,7 +194,7 @@ class ShmRingReceiver:
                             f"sender wrote {expected:#010x}",
                             bucket=k,
                         )
-                consumer.consume(k, data)
+                consumer.consume(k, self._rebuilt_bucket(consumer, k, j, data))
                 memory_fence()
                 ring.set(ring.reader(me, rf.R_ACK), seq)
             prepare = getattr(consumer, "prepare_commit", None)
@@ -211,6 +215,52 @@ class ShmRingReceiver:
         memory_fence()
         ring.set(ring.reader(me, rf.R_DONE), session)
         return version
+
+    def _report_base(self, consumer: BucketConsumer, session: int) -> bool:
+        """Tell the writer whether `consumer` holds the base this session offers; whether it does."""
+        ring, me = self._ring, self.reader_index
+        offer = ring.get(rf.G_S_OFFER)
+        if offer < 0:
+            return False
+        held = holds_base(consumer, offer)
+        ring.set(ring.reader(me, rf.R_HELD), offer if held else -1)
+        memory_fence()
+        ring.set(ring.reader(me, rf.R_HELD_SESSION), session)
+        return held
+
+    def _slot_data(self, consumer: BucketConsumer, k: int, j: int, delta: bool) -> torch.Tensor:
+        """The bytes slot `j` holds for bucket `k` (the bucket, or its delta), checked as announced."""
+        ring = self._ring
+        nbytes, kind = ring.get(ring.slot(j, rf.S_NBYTES)), ring.get(ring.slot(j, rf.S_KIND))
+        full = consumer.layout.buckets[k].nbytes
+        fits = nbytes == full if kind == 0 else delta and 0 < kind < len(DELTA_KINDS) and 0 < nbytes <= full
+        if ring.get(ring.slot(j, rf.S_BUCKET)) != k or not fits:
+            raise MetadataError(f"ring {self.name}: slot {j} does not hold bucket {k} as announced")
+        return self._slots[j][:nbytes]
+
+    def _rebuilt_bucket(self, consumer: BucketConsumer, k: int, j: int, data: torch.Tensor) -> torch.Tensor:
+        """Bucket `k` of the new version: `data` itself, or the delta it holds rebuilt on the
+        consumer's base where the full bucket would land, checked against the writer's digest."""
+        ring = self._ring
+        kind = DELTA_KINDS[ring.get(ring.slot(j, rf.S_KIND))]
+        if kind == FULL:
+            return data
+        nbytes = consumer.layout.buckets[k].nbytes
+        out = consumer.bucket_target(k) if isinstance(consumer, BucketTarget) else None
+        if (
+            out is None
+            or out.dtype != torch.uint8
+            or out.dim() != 1
+            or not out.is_cpu
+            or out.numel() < nbytes
+        ):
+            if self._rebuilt is None or self._rebuilt.numel() < nbytes:
+                self._rebuilt = torch.empty(consumer.layout.max_bucket_nbytes, dtype=torch.uint8)
+            out = self._rebuilt
+        assert isinstance(consumer, DeltaBase)  # holds_base said so when the base was reported
+        digest = rf.word_digest(ring.get(ring.slot(j, rf.S_DIGEST)))
+        rebuild(consumer, k, kind, data, out[:nbytes], digest)
+        return out[:nbytes]
 
     def _wait_word(self, word: int, value: int, session: int, deadline: Deadline, what: str) -> None:
         ring = self._ring

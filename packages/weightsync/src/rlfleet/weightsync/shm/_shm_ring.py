@@ -12,6 +12,16 @@ everything a reader needs to check and a writer needs to wait safely:
 - per-reader pid + start time (liveness), ack counter, membership and outcome of each session;
 - the writer's pid + start time, the session (one per version), commit and abort markers.
 
+With ``delta="auto"`` the writer keeps a base (`codec.DeltaEncoder`: the last version it
+published, one host copy in the wire dtype) and offers it with each session: every member
+reports whether its consumer holds that version (`codec.holds_base`), and when all do, each
+slot carries the bucket's delta (its kind, size and the digest of the rebuilt bucket in the slot
+record) instead of its bytes. A reader rebuilds it where the full bucket would land (the
+consumer's landing zone, else a bucket buffer) and checks the digest before consuming it; a
+reader that lacks the base makes the version go full for every reader (a slot is read by all).
+Readers commit one by one, as ever: a reader whose rebuild fails keeps its version, and its
+next version goes full (it reports another base).
+
 Publication is "write the data, memory fence, write the sequence number"; waits poll with a
 short backoff (20 us growing to 1 ms) under a `Deadline`, and check the peer's liveness, so a
 dead peer becomes `PeerLostError` and a stuck one `SyncTimeoutError`, never a hang. `send` and
@@ -28,6 +38,8 @@ import torch
 
 from rlfleet.weightsync._deadline import Backoff, Deadline, deadline_or
 from rlfleet.weightsync._errors import PeerLostError, WeightSyncError
+from rlfleet.weightsync.codec._delta import DEFAULT_MAX_FRACTION, DELTA_KINDS, FULL
+from rlfleet.weightsync.codec._delta_state import DeltaEncoder, check_delta_mode
 from rlfleet.weightsync.layout._integrity import bucket_checksum
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.layout._packing import pack_bucket
@@ -54,6 +66,7 @@ from rlfleet.weightsync.shm._ring_format import (
     G_NUM_SLOTS,
     G_S_BASE,
     G_S_NBUCKETS,
+    G_S_OFFER,
     G_S_VERSION,
     G_SESSION,
     G_SLOT_BYTES,
@@ -63,6 +76,8 @@ from rlfleet.weightsync.shm._ring_format import (
     R_ATTACHED,
     R_DONE,
     R_EPOCH,
+    R_HELD,
+    R_HELD_SESSION,
     R_MEMBER,
     R_PID,
     R_RESULT,
@@ -71,8 +86,11 @@ from rlfleet.weightsync.shm._ring_format import (
     RING,
     S_BUCKET,
     S_CRC,
+    S_DIGEST,
+    S_KIND,
     S_NBYTES,
     S_SEQ,
+    digest_word,
 )
 from rlfleet.weightsync.shm._ring_receiver import ShmRingReceiver
 from rlfleet.weightsync.shm._shm import PAGE, SharedSegment, memory_fence, page_align
@@ -88,7 +106,14 @@ class ShmRingSender:
     Readers attach with `ShmRingReceiver.attach(sender.name, reader_index)`. A reader that
     dies makes `send` raise PeerLostError naming it, or, with ``drop_dead_readers=True``, the
     sync goes on without it. `checksums=True` adds a CRC32 per bucket that readers verify.
+    ``delta="auto"`` sends a version as its delta from the last one when every reader holds
+    that (see the module; `delta.last` says what the last version sent, `last_full_readers`
+    which readers lacked the base); ``delta_max_fraction``: a bucket whose delta is not smaller
+    than that fraction of it goes full.
     """
+
+    #: Readers that lacked the offered base in the last session (the version then went full).
+    last_full_readers: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -98,9 +123,16 @@ class ShmRingSender:
         checksums: bool = False,
         drop_dead_readers: bool = False,
         prefix: str = "rlfleet",
+        *,
+        delta: str = "off",
+        delta_max_fraction: float = DEFAULT_MAX_FRACTION,
     ) -> None:
         require_int_in("num_readers", num_readers, 1, MAX_READERS)
         require_int_in("slots", slots, 2, MAX_SLOTS)
+        #: The base and per-bucket delta choice (None: ``delta="off"``, every version full).
+        self.delta: DeltaEncoder | None = (
+            None if check_delta_mode(delta) == "off" else DeltaEncoder(layout, delta, delta_max_fraction)
+        )
         self.layout = layout
         self.num_readers = num_readers
         self.num_slots = slots
@@ -232,19 +264,28 @@ class ShmRingSender:
         floor = {i: (0 if self._previous.get(i) == identity[i] else base) for i in members}
         self._session = session
         self._published = base + nbuckets
+        offer = None if self.delta is None else self.delta.offer()
         for i in members:
             ring.set(ring.reader(i, R_MEMBER), session)
         ring.set(G_S_VERSION, version)
         ring.set(G_S_BASE, base)
         ring.set(G_S_NBUCKETS, nbuckets)
+        ring.set(G_S_OFFER, -1 if offer is None else offer)
         memory_fence()
         ring.set(G_SESSION, session)
+        committed = False
         try:
+            lacking = [] if offer is None else self._wait_reports(members, session, offer, deadline)
+            self.last_full_readers = tuple(lacking)
+            delta = offer is not None and not lacking
+            if self.delta is not None:
+                self.delta.start(version, delta)
             for k in range(nbuckets):
                 j = k % self.num_slots
                 previous = ring.get(ring.slot(j, S_SEQ))
                 self._wait_slot_free(j, previous, members, floor, session, deadline)
                 data = self._pack(source, k, j, last=k == nbuckets - 1)
+                data = self._encoded(k, j, data, delta)
                 ring.set(ring.slot(j, S_BUCKET), k)
                 ring.set(ring.slot(j, S_NBYTES), data.numel())
                 if self.checksums:
@@ -253,13 +294,57 @@ class ShmRingSender:
                 ring.set(ring.slot(j, S_SEQ), base + k + 1)
             memory_fence()
             ring.set(G_COMMIT, session)
+            committed = True  # every bucket is out: the base is this version, whoever commits it
             outcomes = self._wait_done(members, session, deadline) if wait_for_readers else {}
         except BaseException:
             ring.set(G_ABORT, session)
             raise
         finally:
             self._previous = {i: identity[i] for i in members}
+            if self.delta is not None:
+                self.delta.finish(version, committed)
         return outcomes
+
+    def _encoded(self, k: int, j: int, data: torch.Tensor, delta: bool) -> torch.Tensor:
+        """Bucket `k`, packed in slot `j`, as it travels: its delta written over it when that is
+        smaller (the slot record says which, with the digest of the bucket's new bytes)."""
+        if self.delta is None:
+            return data
+        payload = self.delta.encode(k, data, delta)
+        if payload.kind != FULL:
+            data = self._slots[j][: payload.nbytes]
+            data.copy_(payload.data)
+        self._ring.set(self._ring.slot(j, S_KIND), DELTA_KINDS.index(payload.kind))
+        self._ring.set(self._ring.slot(j, S_DIGEST), digest_word(payload.digest))
+        return data
+
+    def _wait_reports(self, members: set[int], session: int, offer: int, deadline: Deadline) -> list[int]:
+        """Every member's report of the base it holds for `session`; the readers that lack `offer`
+        (one that finished the session before reporting, having failed, lacks it)."""
+        ring = self._ring
+        pending, lacking = set(members), []
+        backoff = Backoff()
+        while True:
+            for i in sorted(pending):
+                if ring.get(ring.reader(i, R_HELD_SESSION)) == session:
+                    memory_fence()
+                    if ring.get(ring.reader(i, R_HELD)) != offer:
+                        lacking.append(i)
+                    pending.discard(i)
+                elif ring.get(ring.reader(i, R_DONE)) == session:
+                    lacking.append(i)
+                    pending.discard(i)
+            if not pending:
+                return sorted(lacking)
+            alive = set(pending)
+            self._check_readers(alive, "the readers reported their base", session)
+            members -= pending - alive  # dropped (drop_dead_readers): gone from the session
+            pending &= alive
+            if deadline.expired:
+                raise deadline.error(
+                    f"ring {self.name}: waiting for reader {min(pending)} to report its base"
+                )
+            backoff.sleep(deadline.remaining())
 
     def _pack(self, source: Source, k: int, j: int, last: bool) -> torch.Tensor:
         """Bucket `k` written into slot `j`; returns its bytes there."""
