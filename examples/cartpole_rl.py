@@ -9,6 +9,14 @@ what it measured next to what the plan predicted), and `verify_eval_weight_consi
 checks them every few iterations. The plan that ran is drawn, with its measured time, in
 out/demo/sync_plan.png.
 
+Each sync line also says the bytes it moved: what its steps put on the wire beside the full
+version's bytes, and which rollout workers got a delta (``--delta auto``, the default: a
+broadcast sends only what changed once every receiver holds the version before) or the full
+version. On one node every step is the node buffer, which always carries full versions; with
+``--nodes 3`` the rollout workers on nodes without a trainer get theirs by broadcast, and those
+steps can carry deltas. (PPO's Adam steps change nearly every fp32 weight, so even there most
+buckets go full: the line says so rather than counting them as deltas.)
+
     hatch run demo                       # embedded local Ray, 1 node
     hatch run demo --nodes 3             # a local 3-node Ray cluster
     hatch run demo --address auto        # join a running cluster
@@ -69,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--mode", default="sync", choices=["sync", "async"], help="rollout mode")
     p.add_argument("--strategy", default="Shared", choices=list(BUFFER_TYPE), help="weight buffer strategy")
+    p.add_argument(
+        "--delta",
+        default="auto",
+        choices=["auto", "off"],
+        help="send a broadcast's version as its difference from the last one (auto) or always full",
+    )
     p.add_argument("--num-train", type=int, default=2)
     p.add_argument("--num-eval", type=int, default=4)
     p.add_argument("--nodes", type=int, default=1, help="start a local Ray cluster of this many nodes")
@@ -291,11 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     config = PolicyConfig(
         rollout_mode=args.mode,
         router_type=args.router,
-        weight_buffer=WeightBufferConfig(type=BUFFER_TYPE[args.strategy], buffer_strategy=args.strategy),
+        weight_buffer=WeightBufferConfig(
+            type=BUFFER_TYPE[args.strategy], buffer_strategy=args.strategy, delta=args.delta
+        ),
     )
     train_config = TrainConfig(lr=args.lr, seed=args.seed, extra={"epochs": 4, "minibatches": 4})
     returns: list[float] = []
     timings = Timings()
+    moved = Moved()
     with ray_runtime(args) as nodes:
         if args.router == "node_affinity":
             config.component_distribution = component_distribution(args, config)
@@ -325,9 +342,12 @@ def main(argv: list[str] | None = None) -> int:
             plan = group.sync_plan
             if plan is not None and report is not None:
                 print(f"sync plan: {plan.name}, {len(plan.steps)} steps, {plan.topology_source}")
+                print(delta_note(plan, args.delta))
                 print(f"first sync {report.summary()}")
-            solved_at = run_loop(args, group, envs, returns, timings)
+                moved.add(report)
+            solved_at = run_loop(args, group, envs, returns, timings, moved)
             print_summary(timings, group, returns, solved_at)
+            print(moved.line())
             for path in save_outputs(args.out, returns, group, args):
                 print(f"wrote {path}")
         finally:
@@ -343,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_loop(
-    args: argparse.Namespace, group: Any, envs: list[Any], returns: list[float], timings: Timings
+    args: argparse.Namespace,
+    group: Any,
+    envs: list[Any],
+    returns: list[float],
+    timings: Timings,
+    moved: Moved,
 ) -> int | None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -374,6 +399,7 @@ def run_loop(
                 report = group.sync_weights()
             if report is not None:
                 print(f"iter {it:>3} sync {report.summary()}")  # above the bar (rich redirects stdout)
+                moved.add(report)
             if it % args.verify_every == 0:
                 with timings("verify"):
                     if not group.verify_eval_weight_consistency():
@@ -391,6 +417,46 @@ def run_loop(
             if len(returns) >= 20 and mean >= SOLVED:
                 return it
     return None
+
+
+def delta_note(plan: Any, delta: str) -> str:
+    """Which steps of the plan can send a delta (only a broadcast carries one here)."""
+    carriers = [s for s in plan.steps if s.transport == "broadcast"]
+    if delta == "off":
+        return "deltas: off (--delta off): every sync sends full versions"
+    if not carriers:
+        return (
+            f"deltas: none of the plan's {len(plan.steps)} step(s) can carry one: the node buffer "
+            "sends full versions (--nodes 3 adds cross-node broadcasts, which send deltas)"
+        )
+    return (
+        f"deltas: {len(carriers)} broadcast step(s) of {len(plan.steps)} send only what changed once "
+        "every receiver holds the version before; node-buffer steps send full versions"
+    )
+
+
+class Moved:
+    """The bytes every sync put on the wire, beside the bytes of full versions."""
+
+    def __init__(self) -> None:
+        self.syncs = self.sent = self.full = self.deltas = 0
+
+    def add(self, report: Any) -> None:
+        if report.bytes_on_wire is None:
+            return
+        self.syncs += 1
+        self.sent += report.bytes_on_wire
+        self.full += report.full_bytes or report.bytes_on_wire
+        self.deltas += bool(report.delta_receivers)
+
+    def line(self) -> str:
+        if not self.syncs:
+            return "bytes moved: not reported"
+        per = self.sent / self.syncs / 1e3
+        return (
+            f"bytes moved: {self.sent / 1e6:.3f} MB in {self.syncs} syncs ({per:.1f} KB per sync), "
+            f"full versions {self.full / 1e6:.3f} MB; {self.deltas} sync(s) sent a delta"
+        )
 
 
 def print_summary(timings: Timings, group: Any, returns: list[float], solved_at: int | None) -> None:

@@ -20,6 +20,13 @@ one: each update is written into the node buffer (the snapshot the trainers wait
 staleness (``max_staleness=1``) and every sample carries the version that produced it, printed
 per batch as versions behind the trainer.
 
+Every sync's bytes are printed (per iteration in the progress line and the CSV's ``sync_bytes``,
+per batch with ``--async``, in all at the end). They are full versions: the node buffer the
+trainers stream into carries the whole model each time, and rlfleet's deltas ride broadcasts
+between nodes (``WeightBufferConfig(delta="auto")``, see ``hatch run demo --nodes 3``), which
+this one-node example has none of. They would not pay here anyway: Adam at lr 3e-3 changes
+about 96% of the weights every step (benchmarks/delta.py, workload b).
+
 Writes out/grpo/reward_curve.csv and out/grpo/reward_curve.png.
 """
 
@@ -133,6 +140,19 @@ def build_group(args: argparse.Namespace) -> Any:
     return group
 
 
+#: Printed once: why this example's syncs are full versions (the module docstring says more).
+DELTA_NOTE = (
+    "deltas: none here: the trainers stream every version into the node buffer, which carries "
+    "full versions (deltas ride cross-node broadcasts; this example runs on one node)"
+)
+
+
+def sync_bytes(group: Any) -> int:
+    """The bytes the last sync put on the wire (its `SyncReport`; 0 if it reported none)."""
+    report = group.last_sync_report
+    return 0 if report is None or report.bytes_on_wire is None else int(report.bytes_on_wire)
+
+
 def sync(group: Any, timeout_s: float = 120.0) -> float:
     """Stream the trainers' new weights into the node buffer, then swap the rollout policies."""
     start = time.perf_counter()
@@ -242,15 +262,17 @@ def train_loop(group: Any, args: argparse.Namespace, history: list[dict[str, flo
             stats = group.train()
             t2 = time.perf_counter()
             sync_s = sync(group)
+            moved = sync_bytes(group)
             recent = record(
                 history, args, batch, iteration=it, seconds=time.perf_counter() - start, loss=stats["loss"],
                 rollout_s=t1 - t0, train_s=t2 - t1, sync_s=sync_s, version=group.weight_version,
+                sync_bytes=moved,
             )  # fmt: skip
             bar.update(
                 task,
                 advance=1,
                 description=f"reward {history[-1]['mean_reward']:.3f} (last {args.window}: {recent:.3f}) "
-                f"| sync {sync_s * 1e3:4.0f} ms | v{group.weight_version}",
+                f"| sync {sync_s * 1e3:4.0f} ms, {moved / 1e6:.2f} MB | v{group.weight_version}",
             )
             if not args.quick and len(history) >= args.window and recent >= args.target:
                 return it
@@ -291,18 +313,21 @@ def async_loop(group: Any, args: argparse.Namespace, history: list[dict[str, flo
             group.update_dataset(shards(batch, args.group, len(group.train_list)))
             stats = group.train()
             t2 = time.perf_counter()
+            moved = sync_bytes(group)  # the last background sync's (the one that finished above)
             trained = export(group)
             handle = group.sync_weights(block=False)  # stage and swap in the background
             t3 = time.perf_counter()
             recent = record(
                 history, args, batch, iteration=it, seconds=time.perf_counter() - start, loss=stats["loss"],
                 rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, version=trained, behind=max(behind),
+                sync_bytes=moved,
             )  # fmt: skip
             bar.console.print(  # one line per batch (<= 80 columns)
                 f"batch {it:>3}: reward {history[-1]['mean_reward']:.3f} (last {args.window}: "
                 f"{recent:.3f}) | versions behind {behind} | trained v{trained}",
                 highlight=False,
             )
+            bar.console.print(f"  last sync moved {moved / 1e6:.3f} MB (a full version)", highlight=False)
             bar.update(task, advance=1, description=f"reward {recent:.3f} | v{trained}")
             if not args.quick and len(history) >= args.window and recent >= args.target:
                 reached = it
@@ -357,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             setup_s = time.perf_counter() - begin
             first_sync = sync(group)  # rollout policies start from the trainers' initial weights
+            print(DELTA_NOTE)
+            print(f"first sync {group.last_sync_report.summary()}")
             verify(group)
             reached = (async_loop if args.async_ else train_loop)(group, args, history)
             verify(group)  # after the last update: still bit-exact
@@ -372,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{versions} versions synced, mean sync {np.mean([h['sync_s'] for h in history]) * 1e3:.0f} ms, "
         f"total {total:.1f} s"
     )
+    sent = [h["sync_bytes"] for h in history if h.get("sync_bytes")]
+    if sent:
+        print(
+            f"bytes per sync: {np.mean(sent) / 1e6:.3f} MB on the wire (full versions through the node "
+            f"buffer), {sum(sent) / 1e6:.2f} MB in {len(sent)} syncs"
+        )
     if args.quick:
         print(f"pipeline ok: rollouts, FSDP2 training and bit-exact weight syncs (reward {final:.3f})")
         return 0
