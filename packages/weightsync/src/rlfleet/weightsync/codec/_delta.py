@@ -21,17 +21,20 @@ never applied. It is a blake2b of the wrapping int64 sums of each 4 KiB row: one
 memory speed (a CRC32 of the whole model costs three memcpys here), and any change of a row's
 sum, which every torn, stale or foreign byte makes but for a 2**-64 chance, changes it (bytes
 swapped within a row keep its sum: a reordering, which no failure here produces).
+
+On the host the sender sweeps a bucket once, in cache-sized chunks shared among the copy
+threads (`_delta_scan`): compare, refine, update its base and sum the digest rows per chunk.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from rlfleet.weightsync._errors import MetadataError
+from rlfleet.weightsync.codec._delta_scan import ROW_WORDS, digest_of_sums, scan_changes
 
 __all__ = [
     "DEFAULT_MAX_FRACTION",
@@ -47,7 +50,7 @@ DEFAULT_MAX_FRACTION = 0.5
 FULL, SPARSE, BITMAP = "full", "sparse", "bitmap"
 DELTA_KINDS = (FULL, SPARSE, BITMAP)
 _HEAD = 16  # count (int64) and word count (int64)
-_ROW = 512  # int64 words per digest row (4 KiB; a bucket's last partial row is summed on its own)
+_ROW = ROW_WORDS
 #: ``bitmap`` is picked only when at most this fraction of ``sparse``'s bytes: its decode scans
 #: every word of the bucket, ``sparse``'s only the changes.
 BITMAP_PREFERENCE = 0.5
@@ -84,29 +87,32 @@ def bucket_digest(bucket: torch.Tensor) -> int:
     sums = words[:whole].view(-1, _ROW).sum(1)
     if whole < words.numel():
         sums = torch.cat([sums, words[whole:].sum().view(1)])
-    raw = sums.cpu().numpy().tobytes()
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    return digest_of_sums([sums.cpu().numpy()])
 
 
-def _changed_words(current: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices (int64) of the 2-byte words of `current` that differ from `base`, and their values.
+def _changed_words(
+    current: torch.Tensor, base: torch.Tensor, update: bool
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Indices (int64) of the 2-byte words of `current` that differ from `base`, their values
+    (int16) and the digest of `current`; `base` takes the changes when `update`.
 
-    Coarse first: 8-byte words compared at memory speed, then the few that differ split in four.
+    Coarse first: 8-byte words compared at memory speed, then the few that differ split in four
+    (on the host in cache-sized chunks, `_delta_scan`).
     """
     cur64, base64 = current.view(torch.int64), base.view(torch.int64)
-    if not current.is_cpu:
-        coarse = torch.ne(cur64, base64).nonzero().view(-1)
-        new = cur64.index_select(0, coarse).view(torch.int16)
-        fine = torch.ne(new, base64.index_select(0, coarse).view(torch.int16)).nonzero().view(-1)
-        return coarse.index_select(0, fine // 4) * 4 + fine % 4, new.index_select(0, fine)
-    # on the host numpy's nonzero is several times torch's
-    coarse_np = np.flatnonzero(torch.ne(cur64, base64).numpy())
-    at = torch.from_numpy(coarse_np)
-    new_np = cur64.index_select(0, at).view(torch.int16).numpy()
-    old_np = base64.index_select(0, at).view(torch.int16).numpy()
-    fine_np = np.flatnonzero(new_np != old_np)
-    index = coarse_np[fine_np >> 2] * 4 + (fine_np & 3)
-    return torch.from_numpy(index), torch.from_numpy(new_np[fine_np])
+    if current.is_cpu:
+        chunks = scan_changes(cur64.numpy(), base64.numpy(), update)
+        index_np = np.concatenate([c[0] for c in chunks]) if chunks else np.empty(0, np.int64)
+        values_np = np.concatenate([c[1] for c in chunks]) if chunks else np.empty(0, np.int16)
+        return torch.from_numpy(index_np), torch.from_numpy(values_np), digest_of_sums([c[2] for c in chunks])
+    digest = bucket_digest(current)
+    coarse = torch.ne(cur64, base64).nonzero().view(-1)
+    new = cur64.index_select(0, coarse).view(torch.int16)
+    fine = torch.ne(new, base64.index_select(0, coarse).view(torch.int16)).nonzero().view(-1)
+    index, values = coarse.index_select(0, fine // 4) * 4 + fine % 4, new.index_select(0, fine)
+    if update:
+        base.view(torch.int16).index_copy_(0, index, values)
+    return index, values, digest
 
 
 def encode_delta(
@@ -128,28 +134,27 @@ def encode_delta(
             f"base bucket is {tuple(base.shape)} on {base.device}, the bucket {tuple(current.shape)} "
             f"on {current.device}"
         )
-    index, values = _changed_words(current, base)
-    if update:
-        base.view(torch.int16).index_copy_(0, index, values)
+    index, values, digest = _changed_words(current, base, update)
     count = int(index.numel())
     sparse = _HEAD + _pad8(4 * count) + 2 * count
     bitmap = _HEAD + _pad8(-(-words // 8)) + 2 * count
     use_bitmap = bitmap <= BITMAP_PREFERENCE * sparse
     best = bitmap if use_bitmap else sparse
-    digest = bucket_digest(current)
     if best >= max_fraction * current.numel() or words >= 2**31:
         return DeltaPayload(FULL, current, count, digest)
-    out = torch.zeros(best, dtype=torch.uint8, device=current.device)
+    out = torch.empty(best, dtype=torch.uint8, device=current.device)
     out[:_HEAD].view(torch.int64).copy_(torch.tensor([count, words], dtype=torch.int64))
     body = out[_HEAD:]
     if not use_bitmap:
-        body[: 4 * count].view(torch.int32).copy_(index.to(torch.int32))
+        body[4 * count : _pad8(4 * count)].zero_()
+        body[: 4 * count].view(torch.int32).copy_(index)
         body[_pad8(4 * count) :].view(torch.int16).copy_(values)
         return DeltaPayload(SPARSE, out, count, digest)
     mask = np.zeros(words, dtype=np.bool_)
     mask[index.cpu().numpy()] = True
     bits = torch.from_numpy(np.packbits(mask, bitorder="little"))
     body[: bits.numel()].copy_(bits)
+    body[bits.numel() : _pad8(bits.numel())].zero_()
     body[_pad8(bits.numel()) :].view(torch.int16).copy_(values)
     return DeltaPayload(BITMAP, out, count, digest)
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 from torch.autograd.graph import increment_version
 
-__all__ = ["copy_pairs", "copy_tensors", "default_copy_threads"]
+__all__ = ["copy_pairs", "copy_tensors", "default_copy_threads", "map_threads"]
+
+_T = TypeVar("_T")
 
 #: Below this many bytes per thread a split costs more than it saves.
 MIN_BYTES_PER_THREAD = 16 * 1024 * 1024
@@ -100,6 +103,28 @@ def _copy_share(dsts: list[torch.Tensor], srcs: list[torch.Tensor], grad_enabled
         increment_version(written)
     if rest_d:
         torch._foreach_copy_(rest_d, rest_s)
+
+
+def map_threads(fn: Callable[[int], _T], shares: int) -> list[_T]:
+    """``[fn(0), ..., fn(shares - 1)]``, share 0 on the calling thread and the others on the
+    copy threads: for passes over memory whose calls release the GIL (numpy, memmove). Every
+    share has finished when it returns or raises (nobody writes after), the first error raised.
+    """
+    futures = [_executor().submit(fn, i) for i in range(1, shares)]
+    results: list[_T] = []
+    first_error: BaseException | None = None
+    try:
+        results.append(fn(0))
+    except BaseException as exc:
+        first_error = exc
+    for future in futures:
+        try:
+            results.append(future.result())
+        except BaseException as exc:
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+    return results
 
 
 def copy_tensors(
