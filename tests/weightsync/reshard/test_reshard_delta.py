@@ -99,3 +99,22 @@ def test_delta_is_off_by_default_and_a_bad_mode_is_named() -> None:
     with pytest.raises(ValueError, match="delta must be one of"):
         ReshardSender(train[0], [], delta="on")
     assert ReshardSender.__init__.__kwdefaults__["delta"] == "off"
+
+
+def test_a_control_word_that_does_not_fit_its_message_is_refused() -> None:
+    from rlfleet.weightsync import MetadataError, RankProgram
+    from rlfleet.weightsync.protocol._frames import Control
+    from rlfleet.weightsync.reshard._reshard_delta import MessageDeltas, check_control, padded
+
+    train, _ = rw.programs(rw.model(False), rw.model(True), rdw.CASE.train, rdw.CASE.gen)
+    msg = RankProgram.from_dict(train[0]).messages(rw.BUCKET, rw.DIRECT_MIN)[0]
+    assert check_control(Control(msg.index, msg.nbytes), msg).kind == "full"
+    assert check_control(Control(msg.index, 64, kind="sparse", digest=5), msg).nbytes == 64
+    with pytest.raises(MetadataError, match=f"message {msg.index} from train rank 0"):
+        check_control(Control(msg.index, msg.nbytes + 1), msg)
+    with pytest.raises(MetadataError, match="is a sparse payload"):
+        check_control(Control(msg.index, padded(msg.nbytes), kind="sparse", digest=5), msg)
+    with pytest.raises(MetadataError, match="names message"):
+        check_control(Control(msg.index + 1, msg.nbytes), msg)
+    with pytest.raises(ValueError, match="delta max_fraction"):
+        MessageDeltas([msg], "auto", 0.0)
