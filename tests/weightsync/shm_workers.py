@@ -351,9 +351,10 @@ def segment_owner(queue: Any, commands: Any, prefix: str, previous: str) -> None
         if previous == "exit":
             raise SystemExit(3)
 
-    if previous != "default":
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        # "default" is set, not inherited: a run started under nohup ignores SIGHUP, and the
+        # cleanup rightly leaves an ignored signal alone
+        signal.signal(sig, signal.SIG_DFL if previous == "default" else handler)
     made = make_segments(prefix)
     queue.put(("names", [m.name for m in made]))
     while commands.get(timeout=TIMEOUT) != "exit":
