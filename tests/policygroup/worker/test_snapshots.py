@@ -62,3 +62,27 @@ def test_a_failed_snapshot_is_raised_to_the_sync_not_to_the_fence() -> None:
     snaps.fence(Deadline(10))  # the weights may change: nothing is being read
     with pytest.raises(WeightSyncError, match="the snapshot of v1 failed: node buffer gone"):
         snaps.wait(1, Deadline(10))
+
+
+def test_a_burst_keeps_the_copy_a_running_send_reads() -> None:
+    """The group's pipeline gives every version that arrives while v1 is being sent the other
+    slot (each absorbing the one before): v1's copy stays sendable however many come (a burst of
+    five once lost it to an age rule: 'overwritten by v4' while its slot was untouched)."""
+    model = torch.nn.Linear(4, 4)
+    snaps = TrainerSnapshots(lambda: "trainer 0")
+    snaps.start(1, 0, ("copy",), Deadline(10), lambda: model, print)
+    snaps.fence(Deadline(10))
+    at_v1 = checksum(model.state_dict())
+    for version in (2, 3, 4, 5):  # v1 running in slot 0: the newer ones share slot 1
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        snaps.start(version, 1, ("copy",), Deadline(10), lambda: model, print)
+        snaps.fence(Deadline(10))
+    copy = snaps.copy_for(1, Deadline(10))
+    assert copy is not None
+    assert checksum(copy) == at_v1
+    with pytest.raises(WeightSyncError, match="snapshot of v4 was overwritten by v5"):
+        snaps.copy_for(4, Deadline(10))
+    newest = snaps.copy_for(5, Deadline(10))
+    assert newest is not None
+    assert checksum(newest) == checksum(model.state_dict())

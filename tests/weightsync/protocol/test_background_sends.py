@@ -72,7 +72,7 @@ class Trainer:
         with torch.no_grad():
             self.model.weight.fill_(value)
 
-    def submit(self, version: int) -> PublishHandle[float]:
+    def submit(self, version: int, coalesce: bool = True) -> PublishHandle[float]:
         def send(slot: int) -> float:
             assert self.gate.wait(30)
             self.sent.append(float(self.snapshot.state_dict(slot)["weight"][0, 0]))
@@ -81,7 +81,7 @@ class Trainer:
         def take(slot: int) -> None:
             self.snapshot.take(slot, self.model.state_dict())
 
-        return self.pipeline.submit(version, Deadline(30), take, send)
+        return self.pipeline.submit(version, Deadline(30), take, send, coalesce=coalesce)
 
 
 def test_a_burst_of_versions_sends_the_newest_and_skips_the_waiting_ones() -> None:
@@ -104,6 +104,37 @@ def test_a_burst_of_versions_sends_the_newest_and_skips_the_waiting_ones() -> No
     assert [h.skipped for h in handles] == [True, True, True, False]
     assert {h.sent_version for h in handles} == {5}
     assert t.sent == [1.0, 5.0]  # v2..v4 never left: no queue of stale versions
+
+
+def test_without_coalescing_every_version_is_sent_with_its_own_bytes() -> None:
+    """``coalesce=False`` (a snapshot that commits, as a node buffer's publish): every version is
+    sent, in order, each from its own slot. With v1 on its way and v2 waiting, v3 waits for v2 to
+    start (before: v3 took v2's slot and v2 went out with v3's bytes, or not at all)."""
+    t = Trainer()
+    handles: list[PublishHandle[float]] = []
+    submitted: list[int] = []
+
+    def burst() -> None:
+        for version in (1, 2, 3, 4):
+            t.step(float(version))
+            handles.append(t.submit(version, coalesce=False))
+            handles[-1].snapshot_done()
+            submitted.append(version)
+            t.step(-1.0)  # after the fence: never sent
+
+    thread = threading.Thread(target=burst)
+    thread.start()
+    deadline = Deadline(10)
+    while len(submitted) < 2:  # v1 running (held by the gate), v2 waiting
+        deadline.check("v1 and v2 submitted")
+        threading.Event().wait(0.001)
+    threading.Event().wait(0.2)
+    assert submitted == [1, 2], "v3 must wait for a slot while v1 runs and v2 waits"
+    t.gate.set()
+    thread.join(30)
+    assert [h.result() for h in handles] == [1.0, 2.0, 3.0, 4.0]
+    assert [h.skipped for h in handles] == [False] * 4
+    assert t.sent == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_an_uncollected_failure_is_raised_once_by_the_next_submit() -> None:

@@ -47,7 +47,7 @@ class TrainerSnapshots:
         self.who = who
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
-        self._jobs: dict[int, _Job] = {}  # version -> its snapshot (the two newest kept)
+        self._jobs: dict[int, _Job] = {}  # version -> its snapshot (the last one of each slot)
         self._worker: threading.Thread | None = None
         self._copies: WeightSnapshot | None = None
         self._received = 0  # snapshot requests that arrived
@@ -73,8 +73,11 @@ class TrainerSnapshots:
             raise ValueError(f"{self.who()}: snapshot slot must be 0 or 1, got {slot!r}")
         job = _Job(int(version), slot, tuple(kinds), deadline)
         with self._cond:
-            for v in [v for v, j in self._jobs.items() if j.slot == slot or v < version - 2]:
-                del self._jobs[v]  # its copy is overwritten now: it can no longer be sent
+            # the copy in this slot is overwritten now: it can no longer be sent. Only that one:
+            # the group's pipeline gives every version that comes while one is being sent the
+            # other slot, so the running send's copy stays whatever their number (one job a slot)
+            for v in [v for v, j in self._jobs.items() if j.slot == slot]:
+                del self._jobs[v]
             self._jobs[job.version] = job
             self._queue.append(job)
             if self._worker is None:

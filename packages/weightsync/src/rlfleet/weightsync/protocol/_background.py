@@ -212,11 +212,19 @@ class SendPipeline(Generic[T]):
         version is not sent. ``eager``: the send may begin before the snapshot is over (its
         reader waits for the snapshot itself: another process's, told in `start`).
         ``coalesce=False``: every version is sent, in order (a snapshot that is itself the
-        commit, as a node buffer's publish, skips nothing).
+        commit, as a node buffer's publish, skips nothing); with one already waiting, this
+        waits for it to start sending (each needs a slot of its own).
         """
         self.raise_failed()
         handle: PublishHandle[T] = PublishHandle(version, self.what, deadline)
         with self._cond:
+            if not coalesce:  # every version is sent from its own slot: the running send's and
+                # the other, so a third waits (within its deadline) until the one waiting starts
+                deadline.wait(
+                    self._cond,
+                    f"{self.what}: v{version} waiting for a snapshot slot (every version is sent)",
+                    lambda: not self._pending,
+                )
             slot = 1 - self._running.slot if self._running is not None else 0
             entry = _Entry(handle, slot, send, eager)
             if coalesce:  # those waiting are never sent: the newer version goes instead
@@ -276,6 +284,7 @@ class SendPipeline(Generic[T]):
                 if self._idle("send", lambda: bool(self._pending) and self._pending[0].sendable):
                     return
                 entry = self._running = self._pending.popleft()
+                self._cond.notify_all()  # its slot is the running one now: a submit may go on
             self._run(entry)
             with self._cond:
                 self._running = None
