@@ -41,6 +41,7 @@ __all__ = [
     "DELTA_MODES",
     "DeltaBase",
     "DeltaEncoder",
+    "DeltaSenderBase",
     "DeltaStats",
     "check_delta_mode",
     "clear_padding",
@@ -162,7 +163,60 @@ class DeltaStats:
         return self.sent_bytes / self.full_bytes if self.full_bytes else 1.0
 
 
-class DeltaEncoder:
+class DeltaSenderBase:
+    """What a delta sender keeps between versions, whatever it sends in (buckets of a layout,
+    reshard's messages): its mode, its base and the version the base holds, and this version's
+    stats. The base becomes a version only once that version committed with every piece written.
+    """
+
+    def __init__(self, mode: str, max_fraction: float) -> None:
+        self.mode = check_delta_mode(mode)
+        if not isinstance(max_fraction, (int, float)) or not 0.0 < float(max_fraction) <= 1.0:
+            raise ValueError(f"delta max_fraction must be in (0, 1], got {max_fraction!r}")
+        self.max_fraction = float(max_fraction)
+        self._base: torch.Tensor | None = None
+        self._base_version: int | None = None
+        self.last = DeltaStats()
+
+    @property
+    def base_version(self) -> int | None:
+        """The version the base holds (None: no base; the next version goes full)."""
+        return self._base_version
+
+    @property
+    def base_bytes(self) -> int:
+        """Memory kept for the base between versions."""
+        return 0 if self._base is None else int(self._base.numel())
+
+    def offer(self) -> int | None:
+        """The base to offer a delta against this time, or None (off, or no committed base)."""
+        return None if self.mode == "off" else self._base_version
+
+    def _begin(self, version: int, base: int | None) -> None:
+        self.last = DeltaStats(version=version, base=base, kinds={})
+
+    def _count(self, kind: str, sent: int, full: int, changed: int, words: int, seconds: float) -> None:
+        """One piece of this version: its kind, bytes sent of `full`, words changed of `words`."""
+        stats = self.last
+        stats.sent_bytes += sent
+        stats.full_bytes += full
+        stats.changed_words += changed
+        stats.total_words += words
+        assert stats.kinds is not None
+        stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
+        stats.encode_seconds += seconds
+
+    def _settle(self, version: int, committed: bool, complete: bool) -> None:
+        """The version's outcome: committed with every piece written, the base is it; else none."""
+        self._base_version = version if committed and complete and self.mode != "off" else None
+
+    def forget(self) -> None:
+        """Drop the base (its memory too): the next version goes full."""
+        self._base = None
+        self._base_version = None
+
+
+class DeltaEncoder(DeltaSenderBase):
     """The sender's base and the per-bucket choice of delta or full (see the module).
 
     Memory: one copy of the layout's padded bytes on `device` (the host by default), allocated
@@ -176,36 +230,16 @@ class DeltaEncoder:
         max_fraction: float = DEFAULT_MAX_FRACTION,
         device: str | torch.device = "cpu",
     ) -> None:
+        super().__init__(mode, max_fraction)
         self.layout = layout
-        self.mode = check_delta_mode(mode)
-        if not isinstance(max_fraction, (int, float)) or not 0.0 < float(max_fraction) <= 1.0:
-            raise ValueError(f"delta max_fraction must be in (0, 1], got {max_fraction!r}")
-        self.max_fraction = float(max_fraction)
         self.device = torch.device(device)
         self._starts = bucket_starts(layout)
-        self._base: torch.Tensor | None = None
-        self._base_version: int | None = None
         self._written: set[int] = set()
-        self.last = DeltaStats()
-
-    @property
-    def base_version(self) -> int | None:
-        """The version the sender's base holds (None: no base; the next version goes full)."""
-        return self._base_version
-
-    @property
-    def base_bytes(self) -> int:
-        """Memory the sender keeps for its base."""
-        return 0 if self._base is None else int(self._base.numel())
-
-    def offer(self) -> int | None:
-        """The base to offer a delta against this time, or None (off, or no committed base)."""
-        return None if self.mode == "off" else self._base_version
 
     def start(self, version: int, delta: bool) -> None:
         """A version begins: `delta` when every receiver holds the offered base."""
         self._written = set()
-        self.last = DeltaStats(version=version, base=self._base_version if delta else None, kinds={})
+        self._begin(version, self._base_version if delta else None)
 
     def encode(self, index: int, current: torch.Tensor, delta: bool) -> DeltaPayload:
         """Bucket `index`'s payload from its packed wire bytes (its padding is zeroed here: every
@@ -227,14 +261,9 @@ class DeltaEncoder:
             self._base_bucket(index).copy_(current)
             payload = DeltaPayload(FULL, current, nbytes // 2, 0)
             self._written.add(index)
-        stats = self.last
-        stats.sent_bytes += payload.nbytes
-        stats.full_bytes += nbytes
-        stats.changed_words += payload.changed
-        stats.total_words += nbytes // 2
-        assert stats.kinds is not None
-        stats.kinds[payload.kind] = stats.kinds.get(payload.kind, 0) + 1
-        stats.encode_seconds += time.perf_counter() - begin
+        self._count(
+            payload.kind, payload.nbytes, nbytes, payload.changed, nbytes // 2, time.perf_counter() - begin
+        )
         return payload
 
     def _base_bucket(self, index: int) -> torch.Tensor:
@@ -246,10 +275,4 @@ class DeltaEncoder:
     def finish(self, version: int, committed: bool, buckets: Sequence[int] | None = None) -> None:
         """The version's outcome: committed, the base is that version; else it is forgotten."""
         wanted = range(len(self.layout.buckets)) if buckets is None else buckets
-        complete = all(i in self._written for i in wanted)
-        self._base_version = version if committed and complete and self.mode != "off" else None
-
-    def forget(self) -> None:
-        """Drop the base (its memory too): the next version goes full."""
-        self._base = None
-        self._base_version = None
+        self._settle(version, committed, all(i in self._written for i in wanted))

@@ -43,7 +43,7 @@ from rlfleet.weightsync.codec._delta import (
     bucket_digest,
     encode_delta,
 )
-from rlfleet.weightsync.codec._delta_state import DeltaStats, check_delta_mode
+from rlfleet.weightsync.codec._delta_state import DeltaSenderBase
 from rlfleet.weightsync.protocol._frames import Control
 from rlfleet.weightsync.reshard._reshard_program import ReshardMessage
 
@@ -59,7 +59,7 @@ def padded(nbytes: int) -> int:
     return -(-nbytes // _PAD) * _PAD
 
 
-class MessageDeltas:
+class MessageDeltas(DeltaSenderBase):
     """A training rank's base: every message it sends, as last sent (see the module)."""
 
     def __init__(
@@ -68,10 +68,7 @@ class MessageDeltas:
         mode: str = "auto",
         max_fraction: float = DEFAULT_MAX_FRACTION,
     ) -> None:
-        self.mode = check_delta_mode(mode)
-        if not isinstance(max_fraction, (int, float)) or not 0.0 < float(max_fraction) <= 1.0:
-            raise ValueError(f"delta max_fraction must be in (0, 1], got {max_fraction!r}")
-        self.max_fraction = float(max_fraction)
+        super().__init__(mode, max_fraction)
         self._starts: dict[tuple[int, int], int] = {}
         cursor = 0
         for m in messages:
@@ -79,30 +76,13 @@ class MessageDeltas:
             cursor += padded(m.nbytes)
         self._nbytes = cursor
         self._largest = max((padded(m.nbytes) for m in messages), default=0)
-        self._base: torch.Tensor | None = None
-        self._scratch: torch.Tensor | None = None
-        self._base_version: int | None = None
+        self._scratch: torch.Tensor | None = None  # besides the base: the largest message
         self._written: set[tuple[int, int]] = set()
-        self.last = DeltaStats()
-
-    @property
-    def base_version(self) -> int | None:
-        """The version the base holds (None: none; every pair goes full)."""
-        return self._base_version
-
-    @property
-    def base_bytes(self) -> int:
-        """Memory kept between versions: the base (its scratch besides: the largest message)."""
-        return 0 if self._base is None else int(self._base.numel())
-
-    def offer(self) -> int | None:
-        """The base this rank reports in the negotiation (None: off, or no committed base)."""
-        return None if self.mode == "off" else self._base_version
 
     def start(self, version: int, base: int | None) -> None:
         """A version begins; `base` is what its delta pairs are against (None: all full)."""
         self._written = set()
-        self.last = DeltaStats(version=version, base=base, kinds={})
+        self._begin(version, base)
 
     def _region(self, msg: ReshardMessage) -> torch.Tensor:
         if self._base is None:
@@ -115,7 +95,7 @@ class MessageDeltas:
         if self.mode == "off":
             return
         self._region(msg)[: msg.nbytes].copy_(packed)
-        self._count(msg, FULL, msg.nbytes, (msg.nbytes + 1) // 2, 0.0)
+        self._written_as(msg, FULL, msg.nbytes, (msg.nbytes + 1) // 2, 0.0)
 
     def encode(self, msg: ReshardMessage, packed: torch.Tensor) -> DeltaPayload:
         """A delta pair's message against the base (a ``full`` payload holds no bytes: send
@@ -130,29 +110,20 @@ class MessageDeltas:
         payload = encode_delta(current, self._region(msg), self.max_fraction, update=True)
         if payload.kind == FULL:
             payload = DeltaPayload(FULL, packed, payload.changed, payload.digest)
-        self._count(msg, payload.kind, payload.nbytes, payload.changed, time.perf_counter() - begin)
+        self._written_as(msg, payload.kind, payload.nbytes, payload.changed, time.perf_counter() - begin)
         return payload
 
-    def _count(self, msg: ReshardMessage, kind: str, sent: int, changed: int, seconds: float) -> None:
+    def _written_as(self, msg: ReshardMessage, kind: str, sent: int, changed: int, seconds: float) -> None:
         self._written.add((msg.dst, msg.index))
-        stats = self.last
-        stats.sent_bytes += sent
-        stats.full_bytes += msg.nbytes
-        stats.changed_words += changed
-        stats.total_words += (msg.nbytes + 1) // 2
-        assert stats.kinds is not None
-        stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
-        stats.encode_seconds += seconds
+        self._count(kind, sent, msg.nbytes, changed, (msg.nbytes + 1) // 2, seconds)
 
     def finish(self, version: int, committed: bool, messages: Sequence[ReshardMessage]) -> None:
         """Committed with every message written: the base is `version`; else it is forgotten."""
-        complete = all((m.dst, m.index) in self._written for m in messages)
-        self._base_version = version if committed and complete and self.mode != "off" else None
+        self._settle(version, committed, all((m.dst, m.index) in self._written for m in messages))
 
     def forget(self) -> None:
-        """Drop the base (its memory too): the next version goes full."""
-        self._base = self._scratch = None
-        self._base_version = None
+        super().forget()
+        self._scratch = None
 
 
 def check_control(control: Control, msg: ReshardMessage) -> Control:
