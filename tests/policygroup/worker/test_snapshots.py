@@ -86,3 +86,31 @@ def test_a_burst_keeps_the_copy_a_running_send_reads() -> None:
     newest = snaps.copy_for(5, Deadline(10))
     assert newest is not None
     assert checksum(newest) == checksum(model.state_dict())
+
+
+def test_a_second_group_on_the_same_trainer_counts_its_own_snapshots() -> None:
+    """A trainer actor outlives a group: the next group asks from 0 again. Its count must not be
+    met by the earlier group's arrivals (CI once saw an update land in a Sharded snapshot: the
+    second group's `train` said 'one asked', the trainer had received three, and the fence let the
+    optimizer step before the new request arrived)."""
+    model = torch.nn.Linear(4, 4)
+    snaps = TrainerSnapshots(lambda: "trainer 0")
+    for version in (1, 2, 3):  # the first group
+        snaps.start(version, version % 2, ("copy",), Deadline(10), lambda: model, print, "group-a")
+    snaps.expect(3, "group-a")
+    snaps.fence(Deadline(10))
+    snaps.expect(1, "group-b")  # the second group's train call came before its request
+    assert snaps.pending == 1
+    with pytest.raises(SyncTimeoutError, match="3 of 4 arrived"):
+        snaps.fence(Deadline(0.05))
+    before = checksum(model.state_dict())
+    arrived = threading.Timer(
+        0.1, snaps.start, (4, 0, ("copy",), Deadline(10), lambda: model, print, "group-b")
+    )
+    arrived.start()
+    snaps.fence(Deadline(10))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    copy = snaps.copy_for(4, Deadline(10))
+    assert copy is not None
+    assert checksum(copy) == before

@@ -42,7 +42,8 @@ class PolicyRole(str, enum.Enum):
 
 ROLE_NAMES = {PolicyRole.TRAIN: "trainer", PolicyRole.EVAL: "rollout worker"}  # in messages
 #: The keyword `PolicyGroup.train` adds once it asked a trainer for snapshots (non-blocking syncs):
-#: how many; `train` takes it off and the optimizer's fence waits until that many were taken.
+#: the group's token and how many; `train` takes it off and the optimizer's fence waits until
+#: that many of the group's were taken (a trainer actor may serve one group after another).
 SNAPSHOTS_ASKED = "_rlfleet_snapshots"
 
 
@@ -256,8 +257,9 @@ class BasePolicy(WorkerCalls):
 
     def train(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         asked = kwargs.pop(SNAPSHOTS_ASKED, None)
-        if asked is not None:  # the group's non-blocking syncs asked this many snapshots so far
-            self._snapshots.expect(int(asked))
+        if asked is not None:  # (group token, how many snapshots its non-blocking syncs asked)
+            asker, count = asked
+            self._snapshots.expect(int(count), str(asker))
         if self.role != PolicyRole.TRAIN:
             raise RuntimeError(f"train() called on {self._who()}")
         if self.optimizer is None:

@@ -5,8 +5,9 @@ A call reserves the next version and tells each trainer that sends in the curren
 its snapshot (``sync_snapshot``: the node writer's publish into the node buffer's free slot, a
 private copy for a broadcast or CUDA IPC sender), and returns without waiting for an answer.
 The group counts the snapshots it asked of each trainer and its next `train` call says how many
-(`asked`): the trainer's optimizer waits until that many arrived and were taken, so an update
-never lands in a snapshot, whatever order Ray delivers the two calls in. weightsync's
+(`asked`, with the group's token: a trainer actor may serve one group after another, each
+counting from 0): the trainer's optimizer waits until that many of the group's arrived and were
+taken, so an update never lands in a snapshot, whatever order Ray delivers the two calls in. weightsync's
 `SendPipeline` then runs one sync at a time on a thread of the driver; a version still waiting
 when a newer one is snapshotted is skipped (the report of the version sent lists it), unless a
 node writer's snapshot already committed it to its node buffer: then each is synced in turn and
@@ -20,6 +21,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +48,8 @@ class BackgroundSyncs:
         self._submit = threading.Lock()  # one version reserved and snapshotted at a time
         self._asked: list[int] = []  # versions snapshotted, not sent yet
         self._counts: dict[Any, int] = {}  # snapshots asked of each trainer (by worker id)
+        # our token on the trainers: their counts of an earlier group's snapshots are not ours
+        self.asker = uuid.uuid4().hex
         self._senders: tuple[Any, list[tuple[Policy, tuple[str, ...]]]] | None = None  # per plan
 
     @property
@@ -62,10 +66,12 @@ class BackgroundSyncs:
         self.pipeline.raise_failed()
         self.pipeline.drain(Deadline(timeout_s))
 
-    def asked(self, policy: Policy) -> int | None:
-        """How many snapshots were asked of trainer `policy` (None: none, the blocking syncs only)."""
+    def asked(self, policy: Policy) -> tuple[str, int] | None:
+        """Our token and how many snapshots we asked of trainer `policy` (None: none, the
+        blocking syncs only)."""
         with self._submit:
-            return self._counts.get(self.sync.roster.wid(policy))
+            count = self._counts.get(self.sync.roster.wid(policy))
+        return None if count is None else (self.asker, count)
 
     def senders(self) -> list[tuple[Policy, tuple[str, ...]]]:
         """The trainers the current plan reads weights from, with the snapshot each takes."""
@@ -101,9 +107,8 @@ class BackgroundSyncs:
 
             def start(slot: int) -> None:  # asked, not waited for: `train` passes the count on
                 for p, kinds in senders:
-                    asks.append(
-                        (p, self.calls.invoke(p, "sync_snapshot", version, slot, list(kinds), deadline_at))
-                    )
+                    ask = (version, slot, list(kinds), deadline_at, self.asker)
+                    asks.append((p, self.calls.invoke(p, "sync_snapshot", *ask)))
                     wid = self.sync.roster.wid(p)
                     self._counts[wid] = self._counts.get(wid, 0) + 1
 

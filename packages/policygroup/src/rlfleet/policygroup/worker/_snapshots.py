@@ -50,8 +50,10 @@ class TrainerSnapshots:
         self._jobs: dict[int, _Job] = {}  # version -> its snapshot (the last one of each slot)
         self._worker: threading.Thread | None = None
         self._copies: WeightSnapshot | None = None
-        self._received = 0  # snapshot requests that arrived
-        self._expected = 0  # requests the group says it sent (`expect`)
+        # per asker (a group's token: a trainer actor outlives a group, and the next group counts
+        # from 0 again): snapshot requests that arrived, and those the asker says it sent
+        self._received: dict[str, int] = {}
+        self._expected: dict[str, int] = {}
 
     def start(
         self,
@@ -61,10 +63,12 @@ class TrainerSnapshots:
         deadline: Deadline,
         model: Callable[[], torch.nn.Module],
         publish: Callable[[int, float], object],
+        asker: str = "",
     ) -> None:
-        """Queue the snapshot of `version` (returns at once; the fence sees it from now on)."""
+        """Queue the snapshot of `version` that `asker` asked for (returns at once; the fence sees
+        it from now on)."""
         with self._cond:  # arrived, even if refused below: the fence must not wait for it
-            self._received += 1
+            self._received[asker] = self._received.get(asker, 0) + 1
             self._cond.notify_all()
         bad = sorted(set(kinds) - set(SNAPSHOT_KINDS))
         if bad or not kinds:
@@ -160,25 +164,31 @@ class TrainerSnapshots:
             )
         return True
 
-    def expect(self, asked: int) -> None:
-        """The group asked `asked` snapshots so far: the fence also waits for those not arrived."""
+    def expect(self, asked: int, asker: str = "") -> None:
+        """`asker` asked `asked` snapshots so far: the fence also waits for those not arrived."""
         with self._cond:
-            self._expected = max(self._expected, asked)
+            self._expected[asker] = max(self._expected.get(asker, 0), asked)
+
+    def _missing(self) -> int:
+        """Snapshots asked for that have not arrived (caller holds the lock)."""
+        return sum(max(0, n - self._received.get(a, 0)) for a, n in self._expected.items())
 
     def fence(self, deadline: Deadline) -> None:
         """Wait until every snapshot asked for arrived and was taken (before changing the weights)."""
         with self._cond:
+            expected = sum(self._expected.values())
             deadline.wait(
                 self._cond,
-                f"{self.who()}: waiting for weight snapshots ({self._received} of {self._expected} arrived)",
-                lambda: not self._queue and self._received >= self._expected,
+                f"{self.who()}: waiting for weight snapshots ({expected - self._missing()} of "
+                f"{expected} arrived)",
+                lambda: not self._queue and not self._missing(),
             )
 
     @property
     def pending(self) -> int:
         """Snapshots queued or asked for and not arrived yet."""
         with self._cond:
-            return len(self._queue) + max(0, self._expected - self._received)
+            return len(self._queue) + self._missing()
 
     def release(self) -> None:
         with self._cond:

@@ -118,13 +118,16 @@ class WeightCalls(WorkerHost):
             out["wire"] = cast(WireResult, sent)
         return out
 
-    def sync_snapshot(self, version: int, slot: int, kinds: Sequence[str], deadline_at: float) -> float:
+    def sync_snapshot(
+        self, version: int, slot: int, kinds: Sequence[str], deadline_at: float, asker: str = ""
+    ) -> float:
         """A non-blocking sync's first call on a sending trainer: queue the snapshot of `version`
         into snapshot `slot` ("publish": into the node buffer; "copy": a private copy) and return
-        at once (when it was queued): from now on `wait_for_weight_snapshot` waits for it."""
+        at once (when it was queued): from now on `wait_for_weight_snapshot` waits for it.
+        `asker` is the asking group's token (its `train` calls count the snapshots it asked)."""
         left = max(0.0, deadline_at - time.time())  # a passed deadline fails the snapshot, counted
         self._snapshots.start(
-            version, slot, tuple(kinds), Deadline(left), lambda: self.model, self.publish_shared
+            version, slot, tuple(kinds), Deadline(left), lambda: self.model, self.publish_shared, asker
         )
         return time.time()
 
