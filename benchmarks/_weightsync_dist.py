@@ -111,20 +111,28 @@ def _worker(
     os._exit(0)
 
 
+def join_gloo(rank: int, world: int, port: int, threads: int, timeout_s: float) -> None:
+    """This process's torch threads, then the gloo world on loopback `port` (every body's start)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
 def _run(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     from rlfleet.weightsync import BroadcastReceiver, BroadcastSender, Layout
 
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
-    )
+    join_gloo(rank, world, port, cfg["threads"], 300.0)
     spec = [(n, tuple(s), d) for n, s, d in cfg["spec"]]
     live = build_state(spec, fill=rank == 0)
     bucket = cfg["bucket_bytes"]

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _claims import arguments, claim, report
-from _weightsync_dist import run_processes
+from _weightsync_dist import join_gloo, run_processes
 from torch import nn
 
 SIZES = {
@@ -272,20 +272,11 @@ def timed_last(
 
 # -- over gloo: full bf16 against deltas, the same versions ---------------------------------------
 def gloo_body(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from rlfleet.weightsync import BroadcastReceiver, BroadcastSender, DoubleBuffer, Layout, checksum
 
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=600),
-    )
+    join_gloo(rank, world, port, cfg["threads"], 600.0)
     size = cfg["size"]
     model, step = trainer_a(size)
     layout = Layout.from_state_dict(model.state_dict(), size["bucket"], wire_dtype=WIRE)
