@@ -57,7 +57,10 @@ class WeightBufferConfig:
     model is cast to it when its weight buffer is made (bf16 from fp32 halves every sync's bytes).
     ``delta`` ("auto", "off"): broadcast steps send a version as its difference from the last one
     every receiver of the group committed (one more model copy on the trainer's host, in the wire
-    dtype); a receiver without that base makes the version go full.
+    dtype); a receiver without that base makes the version go full. Reshard P2P refits
+    (``nccl_reshard_refit``) follow it too: each training rank sends each generation rank the
+    delta of that rank's own slices (one copy of what it sends on its host), and full to a
+    generation rank that does not hold its base.
     """
 
     type: str | None = None

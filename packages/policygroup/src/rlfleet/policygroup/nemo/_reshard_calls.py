@@ -7,6 +7,8 @@ from data-parallel replicas striped across the training ranks. The plan comes fr
 rank's `RankProgram` and each pipeline stage's training ranks; these calls form the groups
 (one per training pipeline stage, gloo on CPU, NCCL on GPU), run the transfer with
 `ReshardSender` / `ReshardReceiver` (versioned, atomic, deadline-bounded) and apply it.
+``WeightBufferConfig.delta="auto"`` makes each pair send the delta of its own slices against
+the version the generation rank holds (its live weights are the base; full when it lacks it).
 Hooks a worker overrides: `reshard_rank`, `reshard_state_dict`, `reshard_param_specs`,
 `reshard_gen_param_specs`.
 """
@@ -174,15 +176,21 @@ class ReshardCalls(WorkerHost):
         state.sender = state.receiver = None
         state.consumer = None
         if side == "train":
-            state.sender = ReshardSender(program, peer_groups, bucket_bytes=bucket_bytes)
+            delta = getattr(self.config.weight_buffer, "delta", "off")
+            state.sender = ReshardSender(program, peer_groups, bucket_bytes=bucket_bytes, delta=delta)
         else:
             state.receiver = ReshardReceiver(program, peer_groups, bucket_bytes=bucket_bytes)
-            version, who = self._weights.version, f"generation worker {self.index}"
-            layout, drain = program.layout(), self.config.drain_timeout_s
-            state.consumer = module_part_buffer(
-                self.model, layout, version=version, serving_lock=self._serve, commit_timeout_s=drain, who=who
-            )
+            state.consumer = self._reshard_consumer(program)
         return bucket_bytes
+
+    def _reshard_consumer(self, program: RankProgram) -> DoubleBuffer:
+        """A generation worker's consumer over its part of the model, resumed at the worker's
+        version: a DoubleBuffer, whose live weights are the base a delta is rebuilt on."""
+        version, who = self._weights.version, f"generation worker {self.index}"
+        layout, drain = program.layout(), self.config.drain_timeout_s
+        return module_part_buffer(
+            self.model, layout, version=version, serving_lock=self._serve, commit_timeout_s=drain, who=who
+        )
 
     def nccl_reshard_refit(
         self,
@@ -218,8 +226,12 @@ class ReshardCalls(WorkerHost):
             state.last = state.sender.send(self.reshard_state_dict(), v, deadline, extras)
             self._weights.version = v
             return
-        if state.receiver is None or state.consumer is None:
+        if state.receiver is None or state.consumer is None or state.program is None:
             raise CommGroupError("nccl_reshard_refit: prepare_nccl_reshard_refit_info() must come first")
+        if state.consumer.version != self._weights.version:
+            # weights set since the last refit (a checkpoint, a reset): not the base the consumer
+            # would offer, so it resumes at the worker's version (a delta against it, or full)
+            state.consumer = self._reshard_consumer(state.program)
         stats = state.receiver.receive(state.consumer, deadline)
         state.last = stats
         self._weights.version = stats.version
@@ -247,7 +259,12 @@ class ReshardCalls(WorkerHost):
         return dict(self._reshard_state().kv_scales)
 
     def get_reshard_stats(self) -> dict[str, Any] | None:
-        """What the last refit moved on this worker (JSON-safe), or None."""
+        """What the last refit moved on this worker (JSON-safe), or None.
+
+        ``bytes`` is what moved and ``full_bytes`` what the same messages weigh full; with
+        ``WeightBufferConfig(delta="auto")`` ``base`` is the version the deltas were against
+        (None: all full) and ``delta_peers`` the peers' ranks whose messages were deltas.
+        """
         last = self._reshard_state().last
         if last is None:
             return None
@@ -255,7 +272,10 @@ class ReshardCalls(WorkerHost):
             "version": last.version,
             "messages": last.messages,
             "bytes": last.nbytes,
+            "full_bytes": last.full_bytes,
             "seconds": last.seconds,
+            "base": last.base,
+            "delta_peers": [int(r) for r in last.delta_peers],
         }
 
     # -- planning hooks and call (rlfleet.placement.plan_reshard) ------------------------------
