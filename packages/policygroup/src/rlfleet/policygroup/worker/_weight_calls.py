@@ -158,8 +158,10 @@ class WeightCalls(WorkerHost):
         self, readers: Sequence[str], backend: str, bucket_bytes: int, checksums: bool
     ) -> str:
         """A cuda_ipc step's writer: the name of its IPC channel to `readers` (made at first use,
-        kept while the readers, the group's layout, the backend and checksums stay the same)."""
-        return self._weights.ipc_channel(self.model, readers, backend, bucket_bytes, checksums)
+        kept while the readers, the group's layout, the backend and checksums stay the same); the
+        weight buffer's ``delta`` mode reaches it (``"auto"``: deltas when every reader holds the base)."""
+        delta = getattr(self.config.weight_buffer, "delta", "off")
+        return self._weights.ipc_channel(self.model, readers, backend, bucket_bytes, checksums, delta)
 
     def sync_ipc_send(self, channel: str, version: int, deadline_at: float, *_after: Any) -> Timed:
         """A cuda_ipc step's writer: this version through `channel`, until every reader committed."""

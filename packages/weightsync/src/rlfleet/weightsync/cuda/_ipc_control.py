@@ -6,7 +6,8 @@ One small shared-memory segment per channel:
 
 The control block is a `ControlBlock` of shape `IPC` (`_control_block`): header words, a record
 per slot (NUM_SLOTS), a record per reader. Writers of a word publish data words first, then
-`memory_fence`, then the word a peer polls.
+`memory_fence`, then the word a peer polls. A session that offers a delta base (G_OFFER) waits
+for every reader to report the base its consumer holds before any slot is written.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ __all__ = ["IPC", "ChannelBlock", "decode_meta"]
 
 MAGIC = 0x524C46_495043  # "RLF" "IPC"
 #: 2: G_READY, per-slot session words and per-reader R_READING (readers an aborted session left).
-FORMAT = 2
+#: 3: deltas (G_OFFER, S_KIND, S_DIGEST, R_HELD_SESSION, R_HELD): a slot may hold a bucket's delta.
+FORMAT = 3
 NUM_SLOTS = 2
 MAX_READERS = 1024
 
@@ -37,15 +39,22 @@ G_READERS, G_SLOT_BYTES, G_META_LEN, G_META_OFFSET = 4, 5, 6, 7
 G_SESSION, G_VERSION, G_NBUCKETS, G_BASE = 8, 9, 10, 11
 G_COMMIT, G_ABORT, G_CLOSED, G_CHECKSUMS = 12, 13, 14, 15
 G_READY = 16
+#: G_OFFER: the base version this session's deltas would be against (-1: none, every bucket full).
+G_OFFER = 17
 SLOT_BASE = 24
 SLOT_WORDS = 8
 #: S_SEQ: the bucket's global sequence number (monotonic across sessions); S_SESSION: its session.
 S_SEQ, S_BUCKET, S_NBYTES, S_CRC, S_SESSION = 0, 1, 2, 3, 4
+#: S_KIND: how the bucket travels (its index in `codec.DELTA_KINDS`: 0 full); S_DIGEST: the
+#: sender's digest of the bucket's new bytes, which a rebuilt delta must match.
+S_KIND, S_DIGEST = 5, 6
 READER_WORDS = 16
 R_PID, R_START, R_ATTACHED, R_ACK, R_PREPARED, R_RESULT, R_DONE, R_EPOCH = range(8)
 #: R_READING: the session whose slots the reader may still be reading (0: none). The sender does
 #: not rewrite a slot while a reader of an earlier session has not cleared it.
 R_READING = 8
+#: R_HELD_SESSION: the session the reader reported its base for; R_HELD: that base (-1: none).
+R_HELD_SESSION, R_HELD = 9, 10
 RESULT_OK, RESULT_FAILED = 1, 2
 
 KIND = "IPC channel"

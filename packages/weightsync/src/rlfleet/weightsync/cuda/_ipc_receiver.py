@@ -1,4 +1,11 @@
-"""A reader of a CUDA IPC channel (see `_cuda_ipc` for the protocol and the stream contract)."""
+"""A reader of a CUDA IPC channel (see `_cuda_ipc` for the protocol and the stream contract).
+
+A session that offers a delta base is first told whether this reader's consumer holds it; a
+delta slot is rebuilt where the full bucket would land (the consumer's landing zone on the
+slots' device, else a bucket buffer there) and checked against the sender's digest before the
+consumer sees it (`_ipc_sender`). A refused rebuild fails this reader's vote: nobody applies the
+version, and this reader keeps serving its own.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ from rlfleet.weightsync._errors import (
     VersionError,
     WeightSyncError,
 )
+from rlfleet.weightsync.codec._delta import DELTA_KINDS, FULL
+from rlfleet.weightsync.codec._delta_state import DeltaBase, holds_base, rebuild
 from rlfleet.weightsync.cuda._cupy import import_cupy
 from rlfleet.weightsync.cuda._ipc_control import ChannelBlock, decode_meta
 from rlfleet.weightsync.cuda._ipc_slots import CudaOpened, HostOpened
@@ -28,7 +37,9 @@ from rlfleet.weightsync.layout._integrity import bucket_checksum
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._core import prepare
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
+from rlfleet.weightsync.protocol._wire_base import BucketTarget
 from rlfleet.weightsync.shm._control_block import INT64_MAX, Every
+from rlfleet.weightsync.shm._ring_format import word_digest
 from rlfleet.weightsync.shm._shm import (
     SHM_DIR,
     SharedSegment,
@@ -66,6 +77,7 @@ class CudaIpcReceiver:
         # includes this reader and must not be taken for an old one.
         self._last_session = last_session
         self._liveness = Every()
+        self._rebuilt: torch.Tensor | None = None  # where a delta is rebuilt without a landing zone
 
     @property
     def name(self) -> str:
@@ -89,6 +101,7 @@ class CudaIpcReceiver:
                 )
             slots = _open_slots(cb, meta, name, device, (me, my_start))
             fresh = {ipc.R_ATTACHED: 0, ipc.R_PID: me, ipc.R_START: my_start, ipc.R_ACK: 0, ipc.R_READING: 0}
+            fresh[ipc.R_HELD_SESSION] = 0  # a report of an earlier holder of this index is not ours
             for field, value in fresh.items():
                 cb.set(cb.reader(index, field), value)
             cb.set(cb.reader(index, ipc.R_EPOCH), (cb.get(cb.reader(index, ipc.R_EPOCH)) + 1) & INT64_MAX)
@@ -179,7 +192,8 @@ class CudaIpcReceiver:
             with caller_deadline(deadline):  # a node buffer waits for its readers no longer than this
                 consumer.begin(version)
             began = True
-            self._read_buckets(consumer, session, version, base, nbuckets, deadline)
+            delta = self._report_base(consumer, session)
+            self._read_buckets(consumer, session, version, base, nbuckets, deadline, delta)
             failure = prepare(consumer, version, deadline, f"IPC channel {self.name}: reader {me}")
             if failure is not None:  # what commit needs could not be had: vote no
                 raise failure
@@ -210,8 +224,10 @@ class CudaIpcReceiver:
         base: int,
         nbuckets: int,
         deadline: Deadline,
+        delta: bool = False,
     ) -> None:
-        """Hand each slot to the consumer, wait for its reads (current stream), then release the slot."""
+        """Hand each slot to the consumer (a delta rebuilt first), wait for its reads (current
+        stream), then release the slot."""
         cb, me = self._cb, self.index
         checksums = bool(cb.get(ipc.G_CHECKSUMS))
         with torch.no_grad():
@@ -225,16 +241,7 @@ class CudaIpcReceiver:
                     f"bucket {k} of version {version}",
                 )
                 memory_fence()
-                nbytes = cb.get(cb.slot(j, ipc.S_NBYTES))
-                if (
-                    cb.get(cb.slot(j, ipc.S_BUCKET)) != k
-                    or cb.get(cb.slot(j, ipc.S_SESSION)) != session
-                    or nbytes != consumer.layout.buckets[k].nbytes
-                ):
-                    raise MetadataError(
-                        f"IPC channel {self.name}: slot {j} does not hold bucket {k} of this session"
-                    )
-                data = self._slots.tensors[j][:nbytes]
+                data = self._slot_data(consumer, k, j, session, delta)
                 if checksums:
                     expected, actual = cb.get(cb.slot(j, ipc.S_CRC)), bucket_checksum(data)
                     if actual != expected:
@@ -242,7 +249,7 @@ class CudaIpcReceiver:
                             f"bucket {k} of version {version}: crc32 {actual:#010x}, sender {expected:#010x}",
                             k,
                         )
-                consumer.consume(k, data)
+                consumer.consume(k, self._rebuilt_bucket(consumer, k, j, data))
                 self._slots.sync()  # the consumer's reads (on the current stream) are done
                 # cannot happen while R_READING holds the sender off:
                 if cb.get(cb.slot(j, ipc.S_SEQ)) != seq:
@@ -251,6 +258,61 @@ class CudaIpcReceiver:
                     )
                 cb.set(cb.reader(me, ipc.R_ACK), seq)
         cb.set(cb.reader(me, ipc.R_READING), 0)  # every read of this session's slots has finished
+
+    def _report_base(self, consumer: BucketConsumer, session: int) -> bool:
+        """Tell the sender whether `consumer` holds the base this session offers; whether it does."""
+        cb, me = self._cb, self.index
+        offer = cb.get(ipc.G_OFFER)
+        if offer < 0:
+            return False
+        held = holds_base(consumer, offer)
+        cb.set(cb.reader(me, ipc.R_HELD), offer if held else -1)
+        memory_fence()
+        cb.set(cb.reader(me, ipc.R_HELD_SESSION), session)
+        return held
+
+    def _slot_data(self, consumer: BucketConsumer, k: int, j: int, session: int, delta: bool) -> torch.Tensor:
+        """The bytes slot `j` holds for bucket `k` (the bucket, or its delta), checked as announced."""
+        cb = self._cb
+        nbytes, kind = cb.get(cb.slot(j, ipc.S_NBYTES)), cb.get(cb.slot(j, ipc.S_KIND))
+        full = consumer.layout.buckets[k].nbytes
+        fits = nbytes == full if kind == 0 else delta and 0 < kind < len(DELTA_KINDS) and 0 < nbytes <= full
+        if cb.get(cb.slot(j, ipc.S_BUCKET)) != k or cb.get(cb.slot(j, ipc.S_SESSION)) != session or not fits:
+            raise MetadataError(f"IPC channel {self.name}: slot {j} does not hold bucket {k} of this session")
+        return self._slots.tensors[j][:nbytes]
+
+    def _rebuilt_bucket(self, consumer: BucketConsumer, k: int, j: int, data: torch.Tensor) -> torch.Tensor:
+        """Bucket `k` of the new version: `data` itself, or the delta it holds rebuilt on the
+        consumer's base where the full bucket would land (on the slots' device), checked against
+        the sender's digest."""
+        cb = self._cb
+        kind = DELTA_KINDS[cb.get(cb.slot(j, ipc.S_KIND))]
+        if kind == FULL:
+            return data
+        out = self._landing(consumer, k)
+        assert isinstance(consumer, DeltaBase)  # holds_base said so when the base was reported
+        digest = word_digest(cb.get(cb.slot(j, ipc.S_DIGEST)))
+        rebuild(consumer, k, kind, data, out, digest)
+        return out
+
+    def _landing(self, consumer: BucketConsumer, k: int) -> torch.Tensor:
+        """Where bucket `k` is rebuilt: the consumer's landing zone when it lies on the slots'
+        device as flat bytes, else this reader's bucket buffer there."""
+        nbytes, device = consumer.layout.buckets[k].nbytes, self._slots.device
+        out = consumer.bucket_target(k) if isinstance(consumer, BucketTarget) else None
+        if (
+            out is None
+            or out.dtype != torch.uint8
+            or out.dim() != 1
+            or out.device != device
+            or out.numel() < nbytes
+        ):
+            if self._rebuilt is None or self._rebuilt.numel() < nbytes:
+                self._rebuilt = torch.empty(
+                    consumer.layout.max_bucket_nbytes, dtype=torch.uint8, device=device
+                )
+            out = self._rebuilt
+        return out[:nbytes]
 
     def _fail(
         self, consumer: BucketConsumer, error: BaseException, began: bool, session: int, last_seq: int

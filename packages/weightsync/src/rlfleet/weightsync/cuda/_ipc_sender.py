@@ -1,4 +1,15 @@
-"""The writer of a CUDA IPC channel (see `_cuda_ipc` for the protocol and the stream contract)."""
+"""The writer of a CUDA IPC channel (see `_cuda_ipc` for the protocol and the stream contract).
+
+With ``delta="auto"`` the writer keeps a base (`codec.DeltaEncoder`: the last version that
+committed, one copy in the wire dtype on the host) and offers it with each session: every reader
+reports whether its consumer holds that version (`codec.holds_base`), and when all do, each slot
+carries its bucket's delta (kind and the digest of the new bucket in the slot record) instead of
+its bytes; one reader without the base makes the version full for all (a slot is read by every
+reader). On GPU slots the encode runs on a host copy of each packed bucket (copied down, the
+small delta copied back into the slot): the same codec as the ShmRing, no kernels of its own.
+A version lands on all readers or on none, so a reader that refuses a delta (its rebuild fails
+the digest) aborts the version for all; the base is then forgotten and the next version is full.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +24,8 @@ import torch
 import rlfleet.weightsync.cuda._ipc_control as ipc
 from rlfleet.weightsync._deadline import Backoff, Deadline
 from rlfleet.weightsync._errors import PeerLostError, SlotsStillMappedError, SyncAbortedError, WeightSyncError
+from rlfleet.weightsync.codec._delta import DEFAULT_MAX_FRACTION, DELTA_KINDS, FULL
+from rlfleet.weightsync.codec._delta_state import DeltaEncoder, check_delta_mode
 from rlfleet.weightsync.cuda._cupy import import_cupy
 from rlfleet.weightsync.cuda._ipc_control import ChannelBlock
 from rlfleet.weightsync.cuda._ipc_slots import CudaSlots, HostSlots
@@ -28,6 +41,7 @@ from rlfleet.weightsync.protocol._stream import (
     open_source,
 )
 from rlfleet.weightsync.shm._control_block import Every, require_int_in
+from rlfleet.weightsync.shm._ring_format import digest_word
 from rlfleet.weightsync.shm._shm import memory_fence
 
 __all__ = ["DETACH_WAIT_S", "CudaIpcSender", "free_retired_slots"]
@@ -62,7 +76,14 @@ class CudaIpcSender:
     layout's order, each copied into its slot as it comes; drained after a failure). Readers
     join with ``CudaIpcReceiver.attach(sender.name, index)``; the slots and handles are made
     once, here. `close` frees the slots once no live reader maps them (`free_slots`).
+    ``delta="auto"`` sends a version as its delta from the last committed one when every reader
+    holds that (see the module; `delta.last` says what the last version sent, `last_full_readers`
+    which readers lacked the base); ``delta_max_fraction``: a bucket whose delta is not smaller
+    than that fraction of it goes full.
     """
+
+    #: Readers that lacked the offered base in the last session (the version then went full).
+    last_full_readers: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -72,10 +93,17 @@ class CudaIpcSender:
         checksums: bool = False,
         backend: Backend = "cuda",
         detach_timeout_s: float = DETACH_WAIT_S,
+        *,
+        delta: str = "off",
+        delta_max_fraction: float = DEFAULT_MAX_FRACTION,
     ) -> None:
         require_int_in("num_readers", num_readers, 1, ipc.MAX_READERS)
         if not detach_timeout_s >= 0:
             raise ValueError(f"detach_timeout_s must be >= 0, got {detach_timeout_s!r}")
+        #: The base and per-bucket delta choice (None: ``delta="off"``, every version full).
+        self.delta: DeltaEncoder | None = (
+            None if check_delta_mode(delta) == "off" else DeltaEncoder(layout, delta, delta_max_fraction)
+        )
         self.layout = layout
         self.num_readers = num_readers
         self.checksums = checksums
@@ -189,6 +217,7 @@ class CudaIpcSender:
         self._published = base + nbuckets
         cb.set(ipc.G_SESSION, session)  # every earlier session is over
         memory_fence()  # then look for their readers (a reader sets R_READING, then looks here)
+        offer = None if self.delta is None else self.delta.offer()
         try:
             self._poll(
                 lambda: not cb.stragglers(session),
@@ -198,18 +227,61 @@ class CudaIpcSender:
                     f"of an aborted version before version {version} rewrites them"
                 ),
             )
-            for word, value in ((ipc.G_VERSION, version), (ipc.G_NBUCKETS, nbuckets), (ipc.G_BASE, base)):
+            header = {ipc.G_VERSION: version, ipc.G_NBUCKETS: nbuckets, ipc.G_BASE: base}
+            header[ipc.G_OFFER] = -1 if offer is None else offer
+            for word, value in header.items():
                 cb.set(word, value)
             cb.set(ipc.G_CHECKSUMS, int(self.checksums))
             memory_fence()
             cb.set(ipc.G_READY, session)  # the header: readers take the session from here
-            total = self._send_buckets(source, version, session, base, deadline)
+            delta = self._start_delta(version, session, offer, deadline)
+            total = self._send_buckets(source, version, session, base, deadline, delta)
             self._vote(version, session, deadline)
         except BaseException:
             if cb.get(ipc.G_COMMIT) != session:
                 cb.set(ipc.G_ABORT, session)
             raise
+        finally:
+            if self.delta is not None:  # committed: every bucket went out, the base is this version
+                self.delta.finish(version, cb.get(ipc.G_COMMIT) == session)
         return total
+
+    def _start_delta(self, version: int, session: int, offer: int | None, deadline: Deadline) -> bool:
+        """Whether this version goes as deltas: every reader holds the offered base."""
+        if self.delta is None:
+            return False
+        lacking = [] if offer is None else self._wait_reports(session, offer, deadline)
+        self.last_full_readers = tuple(lacking)
+        delta = offer is not None and not lacking
+        self.delta.start(version, delta)
+        return delta
+
+    def _wait_reports(self, session: int, offer: int, deadline: Deadline) -> list[int]:
+        """Every reader's report of the base it holds for `session`; the readers that lack `offer`
+        (one that failed the session before reporting lacks it)."""
+        cb = self._cb
+        reports: dict[int, bool] = {}
+
+        def all_reported() -> bool:
+            for i in range(self.num_readers):
+                if i in reports:
+                    continue
+                if cb.get(cb.reader(i, ipc.R_HELD_SESSION)) == session:
+                    memory_fence()
+                    reports[i] = cb.get(cb.reader(i, ipc.R_HELD)) == offer
+                elif cb.get(cb.reader(i, ipc.R_PREPARED)) == session:  # failed before reporting
+                    reports[i] = False
+            return len(reports) == self.num_readers
+
+        self._poll(
+            all_reported,
+            deadline,
+            lambda: (
+                f"waiting for reader(s) {sorted(set(range(self.num_readers)) - set(reports))} "
+                f"to report the base they hold (offered: version {offer})"
+            ),
+        )
+        return sorted(i for i, held in reports.items() if not held)
 
     def _send_buckets(
         self,
@@ -218,8 +290,10 @@ class CudaIpcSender:
         session: int,
         base: int,
         deadline: Deadline,
+        delta: bool = False,
     ) -> int:
-        """Pack bucket k into slot k % 2 once its readers released it; publish its sequence number."""
+        """Pack bucket k into slot k % 2 once its readers released it (its delta written over it
+        when `delta` and that is smaller); publish its sequence number. The bytes moved."""
         cb = self._cb
         total = 0
         with torch.no_grad():
@@ -233,7 +307,7 @@ class CudaIpcSender:
                 )
                 if self._failed(session):
                     break  # a reader gave up: stop, and abort the others in `_vote`
-                data = self._pack(source, k, self._slots.tensors[j])
+                data = self._encoded(k, j, self._pack(source, k, self._slots.tensors[j]), delta)
                 if self.checksums:
                     cb.set(cb.slot(j, ipc.S_CRC), bucket_checksum(data))
                 self._slots.sync()  # the bytes are in the slot before the sequence number says so
@@ -253,6 +327,20 @@ class CudaIpcSender:
         if k == len(self.layout.buckets) - 1:
             source.finish()  # nothing may follow the last tensor
         return slot[: self.layout.buckets[k].nbytes]
+
+    def _encoded(self, k: int, j: int, data: torch.Tensor, delta: bool) -> torch.Tensor:
+        """Bucket `k`, packed in slot `j`, as it travels: its delta written over it when that is
+        smaller (the slot record says which, with the digest of the bucket's new bytes). On GPU
+        slots the encoder reads a host copy of the bucket and the delta is copied back up."""
+        if self.delta is None:
+            return data
+        payload = self.delta.encode(k, data, delta)
+        if payload.kind != FULL:
+            data = self._slots.tensors[j][: payload.nbytes]
+            data.copy_(payload.data)
+        self._cb.set(self._cb.slot(j, ipc.S_KIND), DELTA_KINDS.index(payload.kind))
+        self._cb.set(self._cb.slot(j, ipc.S_DIGEST), digest_word(payload.digest))
+        return data
 
     def _vote(self, version: int, session: int, deadline: Deadline) -> None:
         """Two-phase commit: commit only if every reader prepared; wait until all committed."""

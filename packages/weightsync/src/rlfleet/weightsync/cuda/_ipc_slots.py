@@ -133,6 +133,8 @@ class _HostFenced:
     """Host slots: a store is visible to the peer process once fenced; no stream to wait for."""
 
     kind = "host"
+    #: Where the slots' bytes live (a delta is rebuilt on this device).
+    device = torch.device("cpu")
 
     def sync(self) -> None:
         memory_fence()

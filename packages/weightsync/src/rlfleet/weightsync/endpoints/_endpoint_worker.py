@@ -188,13 +188,14 @@ class WorkerWeights:
         backend: str,
         bucket_bytes: int | None = None,
         checksums: bool = False,
+        delta: str = "off",
     ) -> str:
         """The name of the IPC channel this worker writes to `readers` (made at first use, kept
         while they stay the same); its layout is this worker's send layout (`bucket_bytes`:
-        the group's bucket size; default this worker's)."""
+        the group's bucket size; default this worker's); `delta`: the channel's delta mode."""
         layout = self.layout_for(module, self.bucket_bytes if bucket_bytes is None else bucket_bytes)
         device = cuda_device_of(module) if backend == "cuda" else None
-        return self.ipc_writer.channel(readers, layout, backend, device, checksums)
+        return self.ipc_writer.channel(readers, layout, backend, device, checksums, delta)
 
     def ipc_send(self, module: torch.nn.Module, name: str, version: int, deadline: Deadline) -> int:
         """Send `version` of the module through IPC channel `name`; returns once every reader

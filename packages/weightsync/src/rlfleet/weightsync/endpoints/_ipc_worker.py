@@ -76,15 +76,17 @@ class IpcChannelWriter:
         backend: str,
         device: torch.device | None = None,
         checksums: bool = False,
+        delta: str = "off",
     ) -> str:
         """The channel to `readers` (ids, in reader-index order): the open one when it was made for
-        them with this layout, backend, device and checksums, else a new one (the old one closed
-        first). `device`: where the slots live ("cuda"; None: the current device)."""
+        them with this layout, backend, device, checksums and delta mode, else a new one (the old
+        one closed first). `device`: where the slots live ("cuda"; None: the current device);
+        ``delta="auto"``: versions go as deltas when every reader holds the last one."""
         if backend not in IPC_BACKENDS:
             raise ValueError(f"IPC backend must be one of {list(IPC_BACKENDS)}, got {backend!r}")
         if not readers:
             raise ValueError("an IPC channel needs at least one reader")
-        key = (tuple(readers), layout.digest, layout.bucket_bytes, backend, device, checksums)
+        key = (tuple(readers), layout.digest, layout.bucket_bytes, backend, device, checksums, delta)
         with self._lock:
             self._free_retired_locked()
             if self._sender is not None and self._key == key:
@@ -98,6 +100,7 @@ class IpcChannelWriter:
                 checksums=checksums,
                 backend=cuda,
                 detach_timeout_s=self.detach_timeout_s,
+                delta=delta,
             )
             self._key = key
             return self._sender.name
