@@ -6,7 +6,8 @@ open them once (``ipcOpenMemHandle``); torch sees both ends through DLPack, with
 (`_ipc_slots`). Per bucket the sender packs into slot ``k % 2`` (once every reader acknowledged
 that slot's previous bucket), synchronizes its stream and publishes the slot's sequence number;
 a reader hands the slot to its `BucketConsumer`, synchronizes, and acknowledges. Packing bucket
-k+1 overlaps the readers consuming bucket k.
+k+1 overlaps the readers consuming bucket k. With ``delta="auto"`` a slot carries its bucket's
+delta when every reader holds the sender's base (encoded on a host copy; see `CudaIpcSender`).
 
 The control plane is a small shared-memory segment (`_ipc_control`): a control block of shape
 `IPC`, described like ShmRing's and SharedBuffer's (`_control_block`), then the handles (base64
