@@ -29,10 +29,14 @@ ray.cloudpickle.register_pickle_by_value(pg_policies)
 PLACES = {"train0": "node0", "eval0": "node0", "eval2": "node2", "eval3": "node2"}
 
 
-def config(strategy: str = "Double") -> PolicyConfig:
+def config(strategy: str = "Double", cuda_ipc: str = "auto") -> PolicyConfig:
     return PolicyConfig(
         weight_buffer=WeightBufferConfig(
-            buffer_strategy=strategy, bucket_bytes=4096, wire_dtype="bfloat16", delta="auto"
+            buffer_strategy=strategy,
+            bucket_bytes=4096,
+            wire_dtype="bfloat16",
+            delta="auto",
+            cuda_ipc=cuda_ipc,
         ),
         group_timeout_s=20.0,
         sync_timeout_s=60.0,
@@ -77,10 +81,7 @@ def test_the_first_sync_goes_full_and_the_next_sends_only_what_changed(
             assert got.full_bytes > 0
             assert (got.full_receivers, got.delta_receivers) == (step.dst, ())
         # a few weights change: the next version differs from the last in a few bf16 words
-        state = ray.get(trainer.get_state_dict.remote(), timeout=60)
-        name = next(n for n, t in state.items() if t.is_floating_point() and t.numel() >= 4)
-        state[name].view(-1)[:4] += 1.0
-        ray.get(trainer.load_state_dict.remote(state), timeout=60)
+        name, state = change_a_few_weights(trainer)
         second = group.sync_weights()
         assert second is not None
         assert second is group.last_sync_report
@@ -102,6 +103,46 @@ def test_the_first_sync_goes_full_and_the_next_sends_only_what_changed(
         assert f"delta from v{first.version} to" in second.summary()
         assert group.verify_eval_weight_checksums()  # bit for bit, as the trainer serves them in bf16
         served = ray.get(actors["eval2"].get_state_dict.remote(), timeout=60)
+        assert torch.equal(served[name], state[name].to(torch.bfloat16))
+    finally:
+        group.shutdown()
+
+
+def change_a_few_weights(trainer: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    state = ray.get(trainer.get_state_dict.remote(), timeout=60)
+    name = next(n for n, t in state.items() if t.is_floating_point() and t.numel() >= 4)
+    state[name].view(-1)[:4] += 1.0
+    ray.get(trainer.load_state_dict.remote(state), timeout=60)
+    return name, state
+
+
+def test_a_cuda_ipc_step_sends_deltas_and_reports_them(actors: dict[str, Any]) -> None:
+    """``cuda_ipc="host"``: eval0, beside the trainer, takes each version through a CUDA IPC
+    channel (host slots); with ``delta="auto"`` the second version fills its slots with only
+    what changed, and the report says so, as for the broadcast to node2."""
+    trainer = actors["train0"]
+    evals = [actors[e] for e in ("eval0", "eval2", "eval3")]
+    group = ready_group([trainer], evals, config("Double", cuda_ipc="host"))
+    try:
+        plan = group.sync_plan
+        assert plan is not None
+        [ipc] = [s for s in plan.steps if s.transport == "cuda_ipc"]
+        assert ipc.dst == (group.process_id(evals[0]),)
+        first = group.last_sync_report
+        assert first is not None
+        got = steps_by(first)[ipc.index]
+        assert (got.delta_base, got.full_receivers, got.delta_receivers) == (None, ipc.dst, ())
+        assert got.bytes_on_wire == got.full_bytes
+        name, state = change_a_few_weights(trainer)
+        second = group.sync_weights()
+        got = steps_by(second)[ipc.index]
+        assert got.delta_base == first.version
+        assert (got.delta_receivers, got.full_receivers, got.lacking_base) == (ipc.dst, (), ())
+        assert got.bytes_on_wire is not None
+        assert got.full_bytes is not None
+        assert got.bytes_on_wire < got.full_bytes / 4, got
+        assert group.verify_eval_weight_checksums()  # bit for bit, in bf16
+        served = ray.get(evals[0].get_state_dict.remote(), timeout=60)
         assert torch.equal(served[name], state[name].to(torch.bfloat16))
     finally:
         group.shutdown()

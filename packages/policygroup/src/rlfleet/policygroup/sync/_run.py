@@ -120,12 +120,14 @@ def report(
 
 
 def _named(timing: placement.CallResult, pid_of_rank: Mapping[int, str]) -> placement.CallResult:
-    """A send's `WireResult` names the receivers that lacked the base by world rank
-    (``lacking_ranks``, all a worker knows); the report names processes (``lacking``)."""
+    """A broadcast's `WireResult` names the receivers that lacked the base by world rank
+    (``lacking_ranks``, all a worker knows); the report names processes (``lacking``, which a
+    CUDA IPC writer gives itself: its readers are process ids)."""
     wire = timing.get("wire")
     if wire is None:
         return timing
     sent: dict[str, Any] = dict(wire)
     ranks = [int(r) for r in sent.pop("lacking_ranks", [])]
-    sent["lacking"] = [pid_of_rank.get(r, f"rank {r}") for r in ranks]
+    named = [pid_of_rank.get(r, f"rank {r}") for r in ranks]
+    sent["lacking"] = [str(p) for p in sent.get("lacking", [])] + named
     return {**timing, "wire": cast(placement.WireResult, sent)}

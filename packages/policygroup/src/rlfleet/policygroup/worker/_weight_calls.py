@@ -161,12 +161,17 @@ class WeightCalls(WorkerHost):
         kept while the readers, the group's layout, the backend and checksums stay the same); the
         weight buffer's ``delta`` mode reaches it (``"auto"``: deltas when every reader holds the base)."""
         delta = getattr(self.config.weight_buffer, "delta", "off")
-        return self._weights.ipc_channel(self.model, readers, backend, bucket_bytes, checksums, delta)
+        wire = getattr(self.config.weight_buffer, "wire_dtype", None)  # the readers serve it
+        return self._weights.ipc_channel(self.model, readers, backend, bucket_bytes, checksums, delta, wire)
 
     def sync_ipc_send(self, channel: str, version: int, deadline_at: float, *_after: Any) -> Timed:
         """A cuda_ipc step's writer: this version through `channel`, until every reader committed."""
         left = left_until(deadline_at, f"send through IPC channel {channel}")
-        return timed(lambda: self.send_ipc(channel, version, left), "wire")
+        out = timed(lambda: self.send_ipc(channel, version, left), "wire")
+        sent = self._weights.ipc_writer.last_wire(channel, version)
+        if sent is not None:  # a delta channel: what its slots carried, for the `SyncReport`
+            out["wire"] = cast(WireResult, sent)
+        return out
 
     def sync_ipc_receive(
         self, channel: str, index: int, version: int, deadline_at: float, *_after: Any

@@ -189,11 +189,14 @@ class WorkerWeights:
         bucket_bytes: int | None = None,
         checksums: bool = False,
         delta: str = "off",
+        wire_dtype: WireDtype = None,
     ) -> str:
         """The name of the IPC channel this worker writes to `readers` (made at first use, kept
         while they stay the same); its layout is this worker's send layout (`bucket_bytes`:
-        the group's bucket size; default this worker's); `delta`: the channel's delta mode."""
-        layout = self.layout_for(module, self.bucket_bytes if bucket_bytes is None else bucket_bytes)
+        the group's bucket size; default this worker's; `wire_dtype`: what floating weights
+        travel as, cast while packing); `delta`: the channel's delta mode."""
+        size = self.bucket_bytes if bucket_bytes is None else bucket_bytes
+        layout = self.layout_for(module, size, wire_dtype)
         device = cuda_device_of(module) if backend == "cuda" else None
         return self.ipc_writer.channel(readers, layout, backend, device, checksums, delta)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -51,6 +52,7 @@ class IpcChannelWriter:
         self.detach_timeout_s = detach_timeout_s
         self._sender: CudaIpcSender | None = None
         self._key: tuple[object, ...] | None = None
+        self._readers: tuple[str, ...] = ()  # the open channel's readers, by index
         self._retired: list[CudaIpcSender] = []  # closed while a reader still mapped their slots
         self._lock = threading.Lock()
 
@@ -102,7 +104,7 @@ class IpcChannelWriter:
                 detach_timeout_s=self.detach_timeout_s,
                 delta=delta,
             )
-            self._key = key
+            self._key, self._readers = key, tuple(str(r) for r in readers)
             return self._sender.name
 
     def send(self, name: str, weights: Weights, version: int, deadline: Deadline) -> int:
@@ -123,6 +125,25 @@ class IpcChannelWriter:
                 if self._sender is sender:
                     self._close_locked()
             raise
+
+    def last_wire(self, name: str, version: int) -> dict[str, Any] | None:
+        """What sending `version` through channel `name` put in its slots, when the channel
+        encodes deltas (``delta="auto"``) and that was its last version: ``bytes``, ``full_bytes``,
+        ``base`` (None: full) and ``lacking`` (the ids of the readers without the base offered);
+        None otherwise."""
+        with self._lock:
+            sender, readers = self._sender, self._readers
+        if sender is None or sender.name != name or sender.delta is None:
+            return None
+        last = sender.delta.last
+        if last.version != version:
+            return None
+        return {
+            "bytes": int(last.sent_bytes),
+            "full_bytes": int(last.full_bytes),
+            "base": last.base,
+            "lacking": [str(readers[i]) for i in sender.last_full_readers],
+        }
 
     def close(self) -> None:
         """Close the open channel (its readers see it closed); free every slot no reader maps."""
