@@ -14,20 +14,18 @@ their bits) and ``WeightBufferConfig(delta="auto")``. The steps:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import reshard_worker_procs as base
 import torch
-import torch.multiprocessing as mp
-from refit_procs import collect, report
-from testkit import free_port, outcome
+from refit_procs import report
+from testkit import outcome
 
-from rlfleet.placement import Parallelism, ParamSpec, plan_reshard
-from rlfleet.policygroup import BasePolicy, PolicyConfig, WeightBufferConfig
+from rlfleet.placement import ParamSpec
+from rlfleet.policygroup import PolicyConfig, WeightBufferConfig
 
 H, V = 64, 256
-TRAIN = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
-GEN = {"tp": 2}
 TIMEOUT_S = 60.0
 #: (step name, version the trainers send): v5 is sent twice, the first time onto a corrupted base.
 STEPS = (("v1", 1), ("v2", 2), ("v3", 3), ("v4", 4), ("v5", 5), ("v5_retry", 5), ("v6", 6))
@@ -36,22 +34,7 @@ CORRUPT_BEFORE = ("v5", 0)  # (step, generation worker): one bit of its base fli
 
 
 def specs() -> list[ParamSpec]:
-    out = [ParamSpec("embed", (V, H), "bfloat16", tp_dim=0, stage="first")]
-    for i in range(2):
-        out += [
-            ParamSpec(
-                f"l{i}_qkv",
-                (4 * H, H),
-                "bfloat16",
-                tp_dim=0,
-                layer=i,
-                parts=((f"l{i}_q", 2 * H), (f"l{i}_k", H), (f"l{i}_v", H)),
-            ),
-            ParamSpec(f"l{i}_o", (H, 2 * H), "bfloat16", tp_dim=1, layer=i),
-            ParamSpec(f"l{i}_norm", (H,), "float32", layer=i),
-        ]
-    out += [ParamSpec("head", (V, H), "bfloat16", tp_dim=0, stage="last")]
-    return out
+    return base.specs(H, V)
 
 
 def pieces(version: int) -> dict[str, torch.Tensor]:
@@ -68,53 +51,18 @@ def pieces(version: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def shard(spec: ParamSpec, full: Mapping[str, torch.Tensor], tp: int, tp_rank: int) -> torch.Tensor:
-    dim = spec.concat_dim
-    split = spec.tp_dim is not None and tp > 1
-    return torch.cat([full[p].chunk(tp, dim)[tp_rank] if split else full[p] for p, _ in spec.pieces], dim)
-
-
-class Policy(BasePolicy):
-    """A worker whose model holds exactly its shard of `specs()`, refitting with deltas."""
+class Policy(base.Policy):
+    """`reshard_worker_procs.Policy` at this test's size, refitting with deltas."""
 
     def __init__(self, role: str, index: int) -> None:
-        self.plan = plan_reshard(specs(), Parallelism.coerce(TRAIN, 2), Parallelism.coerce(GEN, 2))
-        self.side = "train" if role == "train" else "gen"
-        self.par = self.plan.train if self.side == "train" else self.plan.gen
         config = PolicyConfig(group_timeout_s=30.0, weight_buffer=WeightBufferConfig(delta="auto"))
-        super().__init__(config, role=role, index=index, device="cpu")
+        super().__init__(role, index, config)
 
-    def build_model(self) -> torch.nn.Module:
-        module = torch.nn.Module()
-        for name, shape, dtype in self.plan.local_params(self.side, self.index):
-            module.register_parameter(
-                name, torch.nn.Parameter(torch.zeros(shape, dtype=getattr(torch, dtype)))
-            )
-        return module
-
-    def reshard_param_specs(self) -> Sequence[ParamSpec]:
+    def specs(self) -> list[ParamSpec]:
         return specs()
 
-    def expected(self, version: int) -> dict[str, torch.Tensor]:
-        full = pieces(version)
-        by_name = {s.name: s for s in specs()}
-        tp_rank = self.par.coords(self.index)[0]
-        return {
-            name: shard(by_name[name], full, self.par.tp, tp_rank)
-            for name, _, _ in self.plan.local_params(self.side, self.index)
-        }
-
-    def load(self, version: int) -> None:
-        with torch.no_grad():
-            for name, tensor in self.expected(version).items():
-                getattr(self.model, name).copy_(tensor)
-
-    def matches(self, version: int) -> bool:
-        """Every local tensor equals `version`'s bit for bit."""
-        return all(
-            torch.equal(getattr(self.model, n).detach().view(torch.uint8), t.view(torch.uint8))
-            for n, t in self.expected(version).items()
-        )
+    def pieces(self, version: int) -> dict[str, torch.Tensor]:
+        return pieces(version)
 
     def reset(self) -> None:
         """What a restarted generation worker holds: zeros at version 0."""
@@ -140,7 +88,7 @@ def _body(rank: int, ports: Sequence[int]) -> dict[str, Any]:
     ips = ["127.0.0.1", "127.0.0.1"]
     member = 0 if train else 1 + policy.index
     policy.init_nccl_reshard_comm_group(ips, list(ports), 2, rank if train else -1, 3, member)
-    policy.prepare_nccl_reshard_refit_info(TRAIN, GEN, 2, 2)
+    policy.prepare_nccl_reshard_refit_info(base.TRAIN, base.GEN, 2, 2)
     return {name: _step(policy, name, version) for name, version in STEPS}
 
 
@@ -161,8 +109,4 @@ def _step(policy: Policy, name: str, version: int) -> dict[str, Any]:
 
 
 def run(timeout: float = 240.0) -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    ports = [free_port(), free_port()]
-    procs = [ctx.Process(target=worker, args=(r, ports, queue), daemon=True) for r in range(4)]
-    return collect(procs, queue, len(procs), timeout)
+    return base.run(timeout, worker)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,22 +19,23 @@ TRAIN = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
 GEN = {"tp": 2}
 
 
-def specs() -> list[ParamSpec]:
-    out = [ParamSpec("embed", (V, H), "bfloat16", tp_dim=0, stage="first")]
+def specs(h: int = H, v: int = V) -> list[ParamSpec]:
+    """Two layers of a small decoder (hidden `h`, vocabulary `v`), stages first and last."""
+    out = [ParamSpec("embed", (v, h), "bfloat16", tp_dim=0, stage="first")]
     for i in range(2):
         out += [
             ParamSpec(
                 f"l{i}_qkv",
-                (4 * H, H),
+                (4 * h, h),
                 "bfloat16",
                 tp_dim=0,
                 layer=i,
-                parts=((f"l{i}_q", 2 * H), (f"l{i}_k", H), (f"l{i}_v", H)),
+                parts=((f"l{i}_q", 2 * h), (f"l{i}_k", h), (f"l{i}_v", h)),
             ),
-            ParamSpec(f"l{i}_o", (H, 2 * H), "bfloat16", tp_dim=1, layer=i),
-            ParamSpec(f"l{i}_norm", (H,), "float32", layer=i),
+            ParamSpec(f"l{i}_o", (h, 2 * h), "bfloat16", tp_dim=1, layer=i),
+            ParamSpec(f"l{i}_norm", (h,), "float32", layer=i),
         ]
-    out += [ParamSpec("head", (V, H), "bfloat16", tp_dim=0, stage="last")]
+    out += [ParamSpec("head", (v, h), "bfloat16", tp_dim=0, stage="last")]
     return out
 
 
@@ -58,11 +59,20 @@ def shard(spec: ParamSpec, full: Mapping[str, torch.Tensor], tp: int, tp_rank: i
 class Policy(BasePolicy):
     """A worker whose model holds exactly its shard of `specs()` (plus a kv-cache scale buffer)."""
 
-    def __init__(self, role: str, index: int) -> None:
-        self.plan = plan_reshard(specs(), Parallelism.coerce(TRAIN, 2), Parallelism.coerce(GEN, 2))
+    def __init__(self, role: str, index: int, config: PolicyConfig | None = None) -> None:
+        self.plan = plan_reshard(self.specs(), Parallelism.coerce(TRAIN, 2), Parallelism.coerce(GEN, 2))
         self.side = "train" if role == "train" else "gen"
         self.par = self.plan.train if self.side == "train" else self.plan.gen
-        super().__init__(PolicyConfig(group_timeout_s=30.0), role=role, index=index, device="cpu")
+        config = PolicyConfig(group_timeout_s=30.0) if config is None else config
+        super().__init__(config, role=role, index=index, device="cpu")
+
+    def specs(self) -> list[ParamSpec]:
+        """The model's parameters, whole (a subclass sizes its own)."""
+        return specs()
+
+    def pieces(self, version: int) -> dict[str, torch.Tensor]:
+        """Every piece's value at `version`."""
+        return pieces(version)
 
     def build_model(self) -> torch.nn.Module:
         module = torch.nn.Module()
@@ -74,15 +84,15 @@ class Policy(BasePolicy):
         return module
 
     def reshard_param_specs(self) -> Sequence[ParamSpec]:
-        return specs()
+        return self.specs()
 
     def reshard_state_dict(self) -> Mapping[str, torch.Tensor]:
         state = super().reshard_state_dict()
         return {k: v for k, v in state.items() if k != "k_scale"}
 
     def expected(self, version: int) -> dict[str, torch.Tensor]:
-        full = pieces(version)
-        by_name = {s.name: s for s in specs()}
+        full = self.pieces(version)
+        by_name = {s.name: s for s in self.specs()}
         tp_rank = self.par.coords(self.index)[0]
         return {
             name: shard(by_name[name], full, self.par.tp, tp_rank)
@@ -95,7 +105,11 @@ class Policy(BasePolicy):
                 getattr(self.model, name).copy_(tensor)
 
     def matches(self, version: int) -> bool:
-        return all(torch.equal(getattr(self.model, n).detach(), t) for n, t in self.expected(version).items())
+        """Every local tensor equals `version`'s bit for bit."""
+        return all(
+            torch.equal(getattr(self.model, n).detach().view(torch.uint8), t.view(torch.uint8))
+            for n, t in self.expected(version).items()
+        )
 
 
 def worker(rank: int, ports: Sequence[int], queue: Any) -> None:
@@ -135,9 +149,13 @@ def _body(rank: int, ports: Sequence[int]) -> dict[str, Any]:
     return out
 
 
-def run(timeout: float = 240.0) -> dict[int, Any]:
+def run(
+    timeout: float = 240.0, body: Callable[[int, Sequence[int], Any], None] | None = None
+) -> dict[int, Any]:
+    """Four spawned ranks running `body` (default `worker`) with two stages' ports; their results."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ports = [free_port(), free_port()]
-    procs = [ctx.Process(target=worker, args=(r, ports, queue), daemon=True) for r in range(4)]
+    target = worker if body is None else body
+    procs = [ctx.Process(target=target, args=(r, ports, queue), daemon=True) for r in range(4)]
     return collect(procs, queue, len(procs), timeout)

@@ -8,20 +8,15 @@ writer forgets its base, so the next version goes full.
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
-import torch
 import wire_workers as ww
+from delta_readers import corrupt_newest, double_reader, signal, wait_signal, wire_reader
 from testkit import outcome
 
 from rlfleet.weightsync import (
     CudaIpcReceiver,
     CudaIpcSender,
-    DoubleBuffer,
-    SharedBuffer,
-    SharedBufferReader,
     checksum,
 )
 
@@ -30,55 +25,12 @@ VERSIONS = range(1, 9)
 RESTART_BEFORE, CORRUPT_BEFORE = 4, 6
 
 
-def _publish(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
-def _wait_file(path: str, what: str) -> str:
-    """The text of `path` once it exists (a peer's signal), within 60 s."""
-    end = time.monotonic() + 60.0
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            raise TimeoutError(f"no {what} at {path}")
-        time.sleep(0.01)
-    with open(path) as fh:
-        return fh.read()
-
-
-def _double() -> tuple[DoubleBuffer, Any]:
-    live = {k: torch.zeros_like(v) for k, v in ww.served(0).items()}
-    return DoubleBuffer(live, ww.engine_layout()), lambda: {k: v.clone() for k, v in live.items()}
-
-
-def _node() -> tuple[SharedBuffer, SharedBufferReader, Any]:
-    shared = SharedBuffer(ww.engine_layout(), num_readers=1)
-    reader = SharedBufferReader.attach(shared.name)
-
-    def weights() -> dict[str, torch.Tensor]:
-        if shared.version < 0:
-            return {}
-        reader.wait_for_version(shared.version, 10.0)
-        return {k: v.clone() for k, v in reader.tensors().items()}
-
-    return shared, reader, weights
-
-
-def _corrupt(shared: SharedBuffer) -> None:
-    """Flip a byte of the node buffer's newest slot (the base of the next delta)."""
-    newest = shared._table.newest()  # the test reaches into the node buffer to corrupt its slot
-    assert newest is not None
-    shared._slots[newest][100] ^= 0xFF
-
-
 def _send_all(sender: CudaIpcSender, path: str) -> dict[str, Any]:
     """Versions 1-8; before 4 the writer waits until reader 0 has re-attached."""
     steps: dict[str, Any] = {}
     for version in VERSIONS:
         if version == RESTART_BEFORE:
-            _wait_file(path + ".restarted", "restart signal")
+            wait_signal(path + ".restarted", "restart signal")
         step = outcome(lambda v=version: sender.send(ww.trainer_state(v), v, DEADLINE))
         assert sender.delta is not None
         last = sender.delta.last
@@ -98,21 +50,16 @@ def _read_all(rank: int, name: str, path: str) -> dict[str, Any]:
     fresh consumer: version -1, no base); rank 2 (a node buffer) corrupts its base before 6."""
     steps: dict[str, Any] = {}
     receiver = CudaIpcReceiver.attach(name, rank - 1)
-    reader: SharedBufferReader | None = None
-    consumer: Any
-    if rank == 1:
-        consumer, weights = _double()
-    else:
-        consumer, reader, weights = _node()
+    consumer, reader, weights = wire_reader(rank)
     try:
         for version in VERSIONS:
             if rank == 1 and version == RESTART_BEFORE:
                 receiver.close()
-                consumer, weights = _double()
+                consumer, weights = double_reader(ww.served(0), ww.engine_layout())
                 receiver = CudaIpcReceiver.attach(name, rank - 1)
-                _publish(path + ".restarted", "1")
+                signal(path + ".restarted", "1")
             if rank == 2 and version == CORRUPT_BEFORE:
-                _corrupt(consumer)
+                corrupt_newest(consumer)
             result = outcome(lambda r=receiver, c=consumer: r.receive(c, DEADLINE))
             result["applied"] = consumer.version
             result["exact"] = (
@@ -132,6 +79,6 @@ def scenario_ipc_delta(rank: int, world: int, port: int, path: str) -> dict[str,
     if rank == 0:
         sender = CudaIpcSender(ww.wire_layout(), world - 1, backend="host", checksums=True, delta="auto")
         with sender:
-            _publish(path, sender.name)
+            signal(path, sender.name)
             return _send_all(sender, path)
-    return _read_all(rank, _wait_file(path, "channel name"), path)
+    return _read_all(rank, wait_signal(path, "channel name"), path)

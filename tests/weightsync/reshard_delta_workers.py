@@ -10,16 +10,16 @@ buffer (`SharedBuffer`: its free slot is where a delta is rebuilt).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import reshard_workers as rw
 import torch
+from delta_readers import corrupt_newest, double_reader, node_reader
 from testkit import outcome
 from weightsync_dist_workers import init
 
 from rlfleet.weightsync import (
-    DoubleBuffer,
     Layout,
     ReshardReceiver,
     ReshardSender,
@@ -73,32 +73,12 @@ def _stats(stats: ReshardStats) -> dict[str, Any]:
     }
 
 
-def _double(gen_rank: int, layout: Layout) -> tuple[DoubleBuffer, Callable[[], dict[str, torch.Tensor]]]:
-    live = {k: torch.zeros_like(v) for k, v in expected(gen_rank, 0).items()}
-    return DoubleBuffer(live, layout), lambda: {k: v.clone() for k, v in live.items()}
-
-
-def _node(layout: Layout) -> tuple[SharedBuffer, SharedBufferReader, Callable[[], dict[str, torch.Tensor]]]:
-    shared = SharedBuffer(layout, num_readers=1)
-    reader = SharedBufferReader.attach(shared.name)
-
-    def weights() -> dict[str, torch.Tensor]:
-        if shared.version < 0:
-            return {}
-        reader.wait_for_version(shared.version, 10.0)
-        return {k: v.clone() for k, v in reader.tensors().items()}
-
-    return shared, reader, weights
-
-
 def _corrupt(shared: SharedBuffer, layout: Layout, name: str) -> None:
-    """Flip a byte of tensor `name` in the node buffer's newest slot (the base of the next delta)."""
+    """Flip a bit of tensor `name` in the node buffer's newest slot (the base of the next delta)."""
     from rlfleet.weightsync.layout import bucket_starts
 
     spec = layout[name]
-    newest = shared._table.newest()  # the test reaches into the node buffer to corrupt its slot
-    assert newest is not None
-    shared._slots[newest][bucket_starts(layout)[spec.bucket] + spec.offset + 11] ^= 0x40
+    corrupt_newest(shared, bucket_starts(layout)[spec.bucket] + spec.offset + 11, 0x40)
 
 
 def scenario_reshard_delta(rank: int, world: int, port: int) -> dict[str, Any]:
@@ -134,13 +114,13 @@ def scenario_reshard_delta(rank: int, world: int, port: int) -> dict[str, Any]:
     reader: SharedBufferReader | None = None
     consumer: Any
     if g == 0:
-        consumer, weights = _double(g, layout)
+        consumer, weights = double_reader(expected(g, 0), layout)
         old = (consumer, weights)
     else:
-        consumer, reader, weights = _node(layout)
+        consumer, reader, weights = node_reader(layout)
     for version in VERSIONS:
         if g == 0 and version == 4:
-            consumer, weights = _double(g, layout)  # a restart: version -1, no base
+            consumer, weights = double_reader(expected(g, 0), layout)  # a restart: version -1, no base
         if g == 0 and version == 5:
             consumer, weights = old  # holds version 3: it missed 4
         if g == 1 and version == 6:

@@ -8,18 +8,13 @@ writer's, so the next version goes full.
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
-import torch
 import wire_workers as ww
+from delta_readers import corrupt_newest, double_reader, signal, wait_signal, wire_reader
 from testkit import outcome
 
 from rlfleet.weightsync import (
-    DoubleBuffer,
-    SharedBuffer,
-    SharedBufferReader,
     ShmRingReceiver,
     ShmRingSender,
     checksum,
@@ -27,48 +22,6 @@ from rlfleet.weightsync import (
 
 DEADLINE = 30.0
 VERSIONS = range(1, 9)
-
-
-def _publish(path: str, name: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(name)
-    os.replace(tmp, path)
-
-
-def _wait_name(path: str) -> str:
-    end = time.monotonic() + 60.0
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            raise TimeoutError(f"no ring name at {path}")
-        time.sleep(0.01)
-    with open(path) as fh:
-        return fh.read()
-
-
-def _double() -> tuple[DoubleBuffer, Any]:
-    live = {k: torch.zeros_like(v) for k, v in ww.served(0).items()}
-    return DoubleBuffer(live, ww.engine_layout()), lambda: {k: v.clone() for k, v in live.items()}
-
-
-def _node() -> tuple[SharedBuffer, SharedBufferReader, Any]:
-    shared = SharedBuffer(ww.engine_layout(), num_readers=1)
-    reader = SharedBufferReader.attach(shared.name)
-
-    def weights() -> dict[str, torch.Tensor]:
-        if shared.version < 0:
-            return {}
-        reader.wait_for_version(shared.version, 10.0)
-        return {k: v.clone() for k, v in reader.tensors().items()}
-
-    return shared, reader, weights
-
-
-def _corrupt(shared: SharedBuffer) -> None:
-    """Flip a byte of the node buffer's newest slot (the base of the next delta)."""
-    newest = shared._table.newest()  # the test reaches into the node buffer to corrupt its slot
-    assert newest is not None
-    shared._slots[newest][100] ^= 0xFF
 
 
 def scenario_ring_delta(rank: int, world: int, port: int, path: str) -> dict[str, Any]:
@@ -79,7 +32,7 @@ def scenario_ring_delta(rank: int, world: int, port: int, path: str) -> dict[str
     if rank == 0:
         sender = ShmRingSender(ww.wire_layout(), world - 1, slots=2, checksums=True, delta="auto")
         with sender:
-            _publish(path, sender.name)
+            signal(path, sender.name)
             for version in VERSIONS:
 
                 def one(v: int = version) -> dict[str, Any]:
@@ -96,19 +49,16 @@ def scenario_ring_delta(rank: int, world: int, port: int, path: str) -> dict[str
 
                 steps[f"v{version}"] = outcome(one)
         return steps
-    receiver = ShmRingReceiver.attach(_wait_name(path), rank - 1)
-    reader: SharedBufferReader | None = None
-    consumer: Any
-    if rank == 1:
-        consumer, weights = _double()
-    else:
-        consumer, reader, weights = _node()
+    receiver = ShmRingReceiver.attach(wait_signal(path, "ring name"), rank - 1)
+    consumer, reader, weights = wire_reader(rank)
     with receiver:
         for version in VERSIONS:
             if rank == 1 and version == 4:
-                consumer, weights = _double()  # a restart: version -1, no base
+                consumer, weights = double_reader(
+                    ww.served(0), ww.engine_layout()
+                )  # a restart: version -1, no base
             if rank == 2 and version == 6:
-                _corrupt(consumer)
+                corrupt_newest(consumer)
             result = outcome(lambda c=consumer: receiver.receive(c, DEADLINE))
             result["applied"] = consumer.version
             result["exact"] = (
