@@ -159,6 +159,32 @@ def spawn_actors(
     }
 
 
+def started_actors(
+    cls: type, config: Any, places: Mapping[str, str] = PLACES, timeout_s: float = 240.0
+) -> dict[str, Any]:
+    """`spawn_actors`, then wait (within `timeout_s`) until every one of them answers."""
+    import ray
+
+    out = spawn_actors(cls, config, places)
+    ray.get([a.is_alive.remote() for a in out.values()], timeout=timeout_s)
+    return out
+
+
+def cluster_config(weight_buffer: Any = None, **overrides: Any) -> Any:
+    """The Ray suites' `PolicyConfig`: deadlines sized for a loaded 2-core box (group 20 s, sync
+    60 s, rpc 60 s, drain 30 s) unless `overrides` say otherwise, around `weight_buffer`."""
+    from rlfleet.policygroup import PolicyConfig, WeightBufferConfig
+
+    timeouts = {
+        "group_timeout_s": 20.0,
+        "sync_timeout_s": 60.0,
+        "rpc_timeout_s": 60.0,
+        "drain_timeout_s": 30.0,
+    }
+    buffer = WeightBufferConfig() if weight_buffer is None else weight_buffer
+    return PolicyConfig(weight_buffer=buffer, **{**timeouts, **overrides})
+
+
 def ready_group(
     train: Sequence[Any],
     evals: Sequence[Any],

@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 
 import pg_policies  # noqa: E402
 from pg_policies import OBS_DIM, MLPPolicy, make_model  # noqa: E402
-from testkit import PLACES, node_ids, ready_group, spawn_actors  # noqa: E402
+from testkit import PLACES, cluster_config, node_ids, ready_group, spawn_actors, started_actors  # noqa: E402
 
 from rlfleet.placement import build_transfer_info_for_disaggregated  # noqa: E402
 from rlfleet.policygroup import (  # noqa: E402
@@ -48,23 +48,15 @@ EVALS = ("eval0", "eval1", "eval2", "eval3")
 def config(
     strategy: str = "Double", kind: str = "WeightBuffer", planner: str = "rlfleet", **kw: Any
 ) -> PolicyConfig:
-    return PolicyConfig(
-        weight_buffer=WeightBufferConfig(
-            type=kind, buffer_strategy=strategy, bucket_bytes=4096, planner=planner
-        ),
-        group_timeout_s=20.0,
-        sync_timeout_s=60.0,
-        rpc_timeout_s=60.0,
-        drain_timeout_s=30.0,
-        **kw,
+    return cluster_config(
+        WeightBufferConfig(type=kind, buffer_strategy=strategy, bucket_bytes=4096, planner=planner), **kw
     )
 
 
 @pytest.fixture(scope="module")
 def actors(cluster: Any) -> Iterator[dict[str, Any]]:
     """The six shared actors (`testkit.PLACES`); no test kills one of them."""
-    out = spawn_actors(MLPPolicy, config(), PLACES)
-    ray.get([a.is_alive.remote() for a in out.values()], timeout=240)
+    out = started_actors(MLPPolicy, config(), PLACES)
     yield out
     for a in out.values():
         ray.kill(a)

@@ -21,7 +21,7 @@ import async_policies  # noqa: E402
 import pg_policies  # noqa: E402
 from async_policies import AsyncPolicy  # noqa: E402
 from pg_policies import OBS_DIM  # noqa: E402
-from testkit import ready_group, spawn_actors  # noqa: E402
+from testkit import cluster_config, ready_group, spawn_actors, started_actors  # noqa: E402
 
 from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
@@ -40,20 +40,14 @@ PLACES = {"train0": "node0", "eval0": "node0", "eval2": "node2", "eval3": "node2
 
 def config(strategy: str = "Double", **options: Any) -> PolicyConfig:
     cuda_ipc = options.pop("cuda_ipc", "auto")
-    return PolicyConfig(
-        weight_buffer=WeightBufferConfig(buffer_strategy=strategy, bucket_bytes=4096, cuda_ipc=cuda_ipc),
-        group_timeout_s=20.0,
-        sync_timeout_s=60.0,
-        rpc_timeout_s=60.0,
-        drain_timeout_s=30.0,
-        **options,
+    return cluster_config(
+        WeightBufferConfig(buffer_strategy=strategy, bucket_bytes=4096, cuda_ipc=cuda_ipc), **options
     )
 
 
 @pytest.fixture(scope="module")
 def actors(cluster: Any) -> Iterator[dict[str, Any]]:
-    out = spawn_actors(AsyncPolicy, config(), PLACES)
-    ray.get([a.is_alive.remote() for a in out.values()], timeout=240)
+    out = started_actors(AsyncPolicy, config(), PLACES)
     yield out
     for a in out.values():
         ray.kill(a)

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 
 import pg_policies  # noqa: E402
 from pg_policies import OBS_DIM, FaultyMLPPolicy, MLPPolicy  # noqa: E402
-from testkit import eval_state, ready_group, spawn_actors  # noqa: E402
+from testkit import cluster_config, eval_state, ready_group, spawn_actors  # noqa: E402
 
 from rlfleet.policygroup import (  # noqa: E402
     PolicyConfig,
@@ -37,14 +37,11 @@ KIND = {"None": "WeightBuffer", "Double": "WeightBuffer", "Shared": "CPUWeightBu
 
 
 def config(strategy: str = "Double", cuda_ipc: str = "host") -> PolicyConfig:
-    return PolicyConfig(
-        weight_buffer=WeightBufferConfig(
+    return cluster_config(
+        WeightBufferConfig(
             type=KIND[strategy], buffer_strategy=strategy, bucket_bytes=4096, cuda_ipc=cuda_ipc
         ),
-        group_timeout_s=20.0,
         sync_timeout_s=30.0,
-        rpc_timeout_s=60.0,
-        drain_timeout_s=30.0,
     )
 
 

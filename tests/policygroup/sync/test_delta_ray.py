@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 
 import pg_policies  # noqa: E402
 from pg_policies import MLPPolicy  # noqa: E402
-from testkit import ready_group, spawn_actors  # noqa: E402
+from testkit import cluster_config, ready_group, started_actors  # noqa: E402
 
 from rlfleet.placement import StepReport, SyncReport  # noqa: E402
 from rlfleet.policygroup import PolicyConfig, WeightBufferConfig  # noqa: E402
@@ -30,25 +30,20 @@ PLACES = {"train0": "node0", "eval0": "node0", "eval2": "node2", "eval3": "node2
 
 
 def config(strategy: str = "Double", cuda_ipc: str = "auto") -> PolicyConfig:
-    return PolicyConfig(
-        weight_buffer=WeightBufferConfig(
+    return cluster_config(
+        WeightBufferConfig(
             buffer_strategy=strategy,
             bucket_bytes=4096,
             wire_dtype="bfloat16",
             delta="auto",
             cuda_ipc=cuda_ipc,
-        ),
-        group_timeout_s=20.0,
-        sync_timeout_s=60.0,
-        rpc_timeout_s=60.0,
-        drain_timeout_s=30.0,
+        )
     )
 
 
 @pytest.fixture(scope="module")
 def actors(cluster: Any) -> Iterator[dict[str, Any]]:
-    out = spawn_actors(MLPPolicy, config(), PLACES)
-    ray.get([a.is_alive.remote() for a in out.values()], timeout=240)
+    out = started_actors(MLPPolicy, config(), PLACES)
     yield out
     for a in out.values():
         ray.kill(a)

@@ -24,6 +24,7 @@ ray = pytest.importorskip("ray")
 
 import pg_policies  # noqa: E402
 from pg_policies import OBS_DIM, MLPPolicy  # noqa: E402
+from testkit import cluster_config  # noqa: E402
 
 from rlfleet.policygroup import (  # noqa: E402
     BatchedData,
@@ -61,11 +62,9 @@ class DyingTrainer(MLPPolicy):
 
 
 def _config(strategy: str) -> PolicyConfig:
-    return PolicyConfig(
-        weight_buffer=WeightBufferConfig(buffer_strategy=strategy, bucket_bytes=4096),
-        group_timeout_s=20.0,
+    return cluster_config(
+        WeightBufferConfig(buffer_strategy=strategy, bucket_bytes=4096),
         sync_timeout_s=30.0,
-        rpc_timeout_s=60.0,
         drain_timeout_s=20.0,
     )
 
