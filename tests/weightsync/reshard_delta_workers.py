@@ -41,9 +41,7 @@ def master_pieces(specs: Sequence[rw.Spec], version: int) -> dict[str, torch.Ten
     out: dict[str, torch.Tensor] = {}
     for spec in specs:
         for piece, size in spec.pieces:
-            shape = list(spec.shape)
-            if shape:
-                shape[spec.dim] = size
+            shape = rw.piece_shape(spec, size)
             if getattr(torch, spec.dtype).is_floating_point:
                 start = torch.randn(shape, generator=g) * 0.02
                 step = torch.randn(shape, generator=g) * 2e-6

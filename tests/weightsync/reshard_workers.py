@@ -115,15 +115,21 @@ def model(fused: bool = True) -> list[Spec]:
     return specs
 
 
+def piece_shape(spec: Spec, size: int) -> list[int]:
+    """The shape of a piece of `spec` that is `size` long along the spec's concatenation dim."""
+    shape = list(spec.shape)
+    if shape:
+        shape[spec.dim] = size
+    return shape
+
+
 def full_pieces(specs: Sequence[Spec], version: int) -> dict[str, torch.Tensor]:
     """The unsharded model of `version`, piece by piece."""
     g = torch.Generator().manual_seed(7000 + version)
     out: dict[str, torch.Tensor] = {}
     for spec in specs:
         for piece, size in spec.pieces:
-            shape = list(spec.shape)
-            if shape:
-                shape[spec.dim] = size
+            shape = piece_shape(spec, size)
             dtype = getattr(torch, spec.dtype)
             if dtype.is_floating_point:
                 out[piece] = torch.randn(shape, generator=g).to(dtype)
