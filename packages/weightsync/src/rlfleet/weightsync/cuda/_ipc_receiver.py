@@ -29,7 +29,7 @@ from rlfleet.weightsync._errors import (
     WeightSyncError,
 )
 from rlfleet.weightsync.codec._delta import DELTA_KINDS, FULL
-from rlfleet.weightsync.codec._delta_state import DeltaBase, holds_base, rebuild
+from rlfleet.weightsync.codec._delta_state import holds_base
 from rlfleet.weightsync.cuda._cupy import import_cupy
 from rlfleet.weightsync.cuda._ipc_control import ChannelBlock, decode_meta
 from rlfleet.weightsync.cuda._ipc_slots import CudaOpened, HostOpened
@@ -37,7 +37,7 @@ from rlfleet.weightsync.layout._integrity import bucket_checksum
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._core import prepare
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
-from rlfleet.weightsync.protocol._wire_base import BucketTarget
+from rlfleet.weightsync.protocol._wire_base import DeltaRebuilder, fitting_target
 from rlfleet.weightsync.shm._control_block import INT64_MAX, Every
 from rlfleet.weightsync.shm._ring_format import word_digest
 from rlfleet.weightsync.shm._shm import (
@@ -77,7 +77,7 @@ class CudaIpcReceiver:
         # includes this reader and must not be taken for an old one.
         self._last_session = last_session
         self._liveness = Every()
-        self._rebuilt: torch.Tensor | None = None  # where a delta is rebuilt without a landing zone
+        self._rebuilder = DeltaRebuilder(slots.device)  # where a delta bucket is rebuilt
 
     @property
     def name(self) -> str:
@@ -289,30 +289,9 @@ class CudaIpcReceiver:
         kind = DELTA_KINDS[cb.get(cb.slot(j, ipc.S_KIND))]
         if kind == FULL:
             return data
-        out = self._landing(consumer, k)
-        assert isinstance(consumer, DeltaBase)  # holds_base said so when the base was reported
         digest = word_digest(cb.get(cb.slot(j, ipc.S_DIGEST)))
-        rebuild(consumer, k, kind, data, out, digest)
-        return out
-
-    def _landing(self, consumer: BucketConsumer, k: int) -> torch.Tensor:
-        """Where bucket `k` is rebuilt: the consumer's landing zone when it lies on the slots'
-        device as flat bytes, else this reader's bucket buffer there."""
-        nbytes, device = consumer.layout.buckets[k].nbytes, self._slots.device
-        out = consumer.bucket_target(k) if isinstance(consumer, BucketTarget) else None
-        if (
-            out is None
-            or out.dtype != torch.uint8
-            or out.dim() != 1
-            or out.device != device
-            or out.numel() < nbytes
-        ):
-            if self._rebuilt is None or self._rebuilt.numel() < nbytes:
-                self._rebuilt = torch.empty(
-                    consumer.layout.max_bucket_nbytes, dtype=torch.uint8, device=device
-                )
-            out = self._rebuilt
-        return out[:nbytes]
+        target = fitting_target(consumer, k, consumer.layout.buckets[k].nbytes, self._rebuilder.device)
+        return self._rebuilder.rebuild(consumer, k, kind, data, digest, target)
 
     def _fail(
         self, consumer: BucketConsumer, error: BaseException, began: bool, session: int, last_seq: int

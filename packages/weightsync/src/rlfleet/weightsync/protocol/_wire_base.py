@@ -12,7 +12,9 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from rlfleet.weightsync._deadline import Deadline
+from rlfleet.weightsync.codec._delta_state import DeltaBase, rebuild
 from rlfleet.weightsync.protocol._core import Collective, Pending, SessionState, status_round
+from rlfleet.weightsync.protocol._protocol import BucketConsumer
 
 __all__ = ["BroadcastSession", "BucketTarget", "SyncStats", "TensorTarget", "Wire", "crc_of", "rank_label"]
 
@@ -44,6 +46,47 @@ class TensorTarget(Protocol):
     """
 
     def tensor_target(self, name: str) -> torch.Tensor | None: ...
+
+
+def fitting_target(consumer: object, index: int, nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """`consumer`'s own storage for bucket `index` (`BucketTarget`) when it is flat bytes on
+    `device` holding at least `nbytes`; None otherwise (the transport uses a buffer of its own)."""
+    out = consumer.bucket_target(index) if isinstance(consumer, BucketTarget) else None
+    if out is None or out.dtype != torch.uint8 or out.dim() != 1 or out.device != device:
+        return None
+    return out if out.numel() >= nbytes else None
+
+
+class DeltaRebuilder:
+    """Where a receiver rebuilds a delta bucket: where the full bucket would land (a fitting
+    `BucketTarget`), else one bucket buffer of its own on the transport's `device`, made at first
+    need and reused. The broadcast, the ShmRing and CUDA IPC receivers share it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffer: torch.Tensor | None = None
+
+    def rebuild(
+        self,
+        consumer: BucketConsumer,
+        index: int,
+        kind: str,
+        payload: torch.Tensor,
+        digest: int | None,
+        target: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Bucket `index` of the new version, rebuilt on `consumer`'s base into `target` (None:
+        our buffer) and checked against the sender's `digest` (`codec.rebuild`)."""
+        nbytes = consumer.layout.buckets[index].nbytes
+        if target is None:
+            if self._buffer is None or self._buffer.numel() < nbytes:
+                size = max(consumer.layout.max_bucket_nbytes, nbytes)
+                self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            target = self._buffer
+        assert isinstance(consumer, DeltaBase)  # holds_base said so when the base was offered
+        out = target[:nbytes]
+        rebuild(consumer, index, kind, payload, out, digest)
+        return out
 
 
 class Wire(Collective, Protocol):

@@ -23,7 +23,7 @@ from rlfleet.weightsync._errors import (
     WeightSyncError,
 )
 from rlfleet.weightsync.codec._delta import FULL
-from rlfleet.weightsync.codec._delta_state import DeltaBase, holds_base, rebuild
+from rlfleet.weightsync.codec._delta_state import holds_base
 from rlfleet.weightsync.layout._layout import MAX_METADATA_BYTES, Layout, TensorSpec
 from rlfleet.weightsync.protocol._core import (
     Pending,
@@ -50,10 +50,12 @@ from rlfleet.weightsync.protocol._protocol import BucketConsumer
 from rlfleet.weightsync.protocol._wire_base import (
     BroadcastSession,
     BucketTarget,
+    DeltaRebuilder,
     SyncStats,
     TensorTarget,
     Wire,
     crc_of,
+    fitting_target,
     rank_label,
 )
 
@@ -248,7 +250,7 @@ class _Inbound:
         self.failure: WeightSyncError | None = None
         #: Whether buckets may come as deltas (every receiver holds the base the header offers).
         self.delta = delta
-        self._rebuilt: torch.Tensor | None = None  # where a delta is rebuilt without a landing zone
+        self._rebuilder = DeltaRebuilder(self.wire.device)
 
     def run(self) -> tuple[int, WeightSyncError | None]:
         """Receive every bucket of the share; the bytes moved, and this rank's failure if any."""
@@ -304,10 +306,7 @@ class _Inbound:
         """The consumer's own storage for bucket `k`, if it offers a fitting one."""
         if self.targets is None or self.failure is not None:
             return None
-        dest = self.targets.bucket_target(k)
-        if dest is None or dest.dtype != torch.uint8 or dest.dim() != 1 or dest.device != self.wire.device:
-            return None
-        return dest if dest.numel() >= self.layout.buckets[k].nbytes else None
+        return fitting_target(self.targets, k, self.layout.buckets[k].nbytes, self.wire.device)
 
     def _post_data(
         self, position: int, k: int, control: Control
@@ -331,17 +330,9 @@ class _Inbound:
     def _rebuild(self, k: int, control: Control, payload: torch.Tensor) -> torch.Tensor:
         """Bucket `k` of the new version from the consumer's base and the delta, where the full
         bucket would land (the consumer's own storage when it offers it), checked (`rebuild`)."""
-        nbytes = self.layout.buckets[k].nbytes
-        out = self._landing_zone(k)
-        if out is None:
-            if self._rebuilt is None:
-                self._rebuilt = torch.empty(
-                    self.layout.max_bucket_nbytes, dtype=torch.uint8, device=self.wire.device
-                )
-            out = self._rebuilt
-        assert isinstance(self.consumer, DeltaBase)  # holds_base said so in the negotiation
-        rebuild(self.consumer, k, control.kind, payload, out[:nbytes], control.digest)
-        return out
+        return self._rebuilder.rebuild(
+            self.consumer, k, control.kind, payload, control.digest, self._landing_zone(k)
+        )
 
     def _take(self, k: int, control: Control, dest: torch.Tensor, regions: list[torch.Tensor]) -> None:
         """Verify and consume bucket `k`; a failure is kept for the commit round, not raised."""

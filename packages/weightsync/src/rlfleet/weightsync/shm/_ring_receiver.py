@@ -23,11 +23,11 @@ from rlfleet.weightsync._errors import (
     WeightSyncError,
 )
 from rlfleet.weightsync.codec._delta import DELTA_KINDS, FULL
-from rlfleet.weightsync.codec._delta_state import DeltaBase, holds_base, rebuild
+from rlfleet.weightsync.codec._delta_state import holds_base
 from rlfleet.weightsync.layout._integrity import bucket_checksum
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
-from rlfleet.weightsync.protocol._wire_base import BucketTarget
+from rlfleet.weightsync.protocol._wire_base import DeltaRebuilder, fitting_target
 from rlfleet.weightsync.shm._control_block import INT64_MAX, ControlBlock, Every, probe_header
 from rlfleet.weightsync.shm._shm import PAGE, SharedSegment, memory_fence
 
@@ -55,7 +55,7 @@ class ShmRingReceiver:
         self._last_session = last_session
         self._sender_layout: Layout | None = None
         self._liveness = Every()
-        self._rebuilt: torch.Tensor | None = None  # where a delta is rebuilt without a landing zone
+        self._rebuilder = DeltaRebuilder(torch.device("cpu"))  # where a delta bucket is rebuilt
 
     @property
     def name(self) -> str:
@@ -246,21 +246,9 @@ class ShmRingReceiver:
         if kind == FULL:
             return data
         nbytes = consumer.layout.buckets[k].nbytes
-        out = consumer.bucket_target(k) if isinstance(consumer, BucketTarget) else None
-        if (
-            out is None
-            or out.dtype != torch.uint8
-            or out.dim() != 1
-            or not out.is_cpu
-            or out.numel() < nbytes
-        ):
-            if self._rebuilt is None or self._rebuilt.numel() < nbytes:
-                self._rebuilt = torch.empty(consumer.layout.max_bucket_nbytes, dtype=torch.uint8)
-            out = self._rebuilt
-        assert isinstance(consumer, DeltaBase)  # holds_base said so when the base was reported
         digest = rf.word_digest(ring.get(ring.slot(j, rf.S_DIGEST)))
-        rebuild(consumer, k, kind, data, out[:nbytes], digest)
-        return out[:nbytes]
+        target = fitting_target(consumer, k, nbytes, self._rebuilder.device)
+        return self._rebuilder.rebuild(consumer, k, kind, data, digest, target)
 
     def _wait_word(self, word: int, value: int, session: int, deadline: Deadline, what: str) -> None:
         ring = self._ring
