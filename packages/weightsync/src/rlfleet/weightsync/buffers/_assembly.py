@@ -42,7 +42,7 @@ from rlfleet.weightsync._errors import (
     SyncTimeoutError,
     VersionError,
 )
-from rlfleet.weightsync.codec._delta_state import DeltaBase
+from rlfleet.weightsync.codec._delta_state import DeltaBase, base_pieces_of
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._core import consumer_error
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
@@ -413,6 +413,13 @@ class AssemblyPart:
             return False
         with self.assembly._inner_lock:
             return inner.copy_base(index, out)
+
+    def base_pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        """`copy_base`'s bytes without the copy, when the inner consumer offers them."""
+        if index not in self.share:
+            return None
+        with self.assembly._inner_lock:
+            return base_pieces_of(self.assembly.inner, index)
 
     def prepare_commit(
         self, version: int, deadline: Deadline | float | None = DEFAULT_SYNC_TIMEOUT_S

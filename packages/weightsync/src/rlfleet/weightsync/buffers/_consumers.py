@@ -24,7 +24,7 @@ import torch
 from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import IncompleteSyncError, LayoutMismatchError, VersionError
 from rlfleet.weightsync.buffers._buffers import DEFAULT_COMMIT_TIMEOUT_S, DoubleBuffer, ServingLock
-from rlfleet.weightsync.codec._delta_state import DeltaBase
+from rlfleet.weightsync.codec._delta_state import DeltaBase, base_pieces_of
 from rlfleet.weightsync.layout._block import live_tensors
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
@@ -114,6 +114,9 @@ class DeferredCommit:
     def copy_base(self, index: int, out: torch.Tensor) -> bool:
         return isinstance(self.inner, DeltaBase) and self.inner.copy_base(index, out)
 
+    def base_pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        return base_pieces_of(self.inner, index)
+
     def prepare_commit(self, version: int, deadline: Deadline | None = None) -> None:
         """Raise unless `version` is pending and every bucket of it arrived."""
         with self._lock:
@@ -185,6 +188,9 @@ class ExpectedVersion:
 
     def copy_base(self, index: int, out: torch.Tensor) -> bool:
         return isinstance(self.inner, DeltaBase) and self.inner.copy_base(index, out)
+
+    def base_pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        return base_pieces_of(self.inner, index)
 
     def prepare_commit(self, version: int, deadline: Deadline | float | None = None) -> None:
         prepare = getattr(self.inner, "prepare_commit", None)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from rlfleet.weightsync.codec._delta_state import pack_base
+from rlfleet.weightsync.codec._delta_state import pack_base, tensor_pieces
 from rlfleet.weightsync.layout._copy import copy_pairs
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.layout._packing import bucket_views
@@ -91,6 +91,14 @@ class LandingMixin:
             return False
         with self._state_lock:
             return pack_base(self._layout, index, live, out)
+
+    def base_pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        """The live tensors of bucket `index` as a delta's base without a copy (`codec.DeltaBase`)."""
+        live: Mapping[str, torch.Tensor] | None = getattr(self, "live", None)
+        if live is None:
+            return None
+        with self._state_lock:
+            return tensor_pieces(self._layout, index, live)
 
     def bucket_target(self, index: int) -> torch.Tensor | None:
         """Bucket `index`'s region of the pending flat staging buffer, if there is one."""

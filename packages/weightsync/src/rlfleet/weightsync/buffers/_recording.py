@@ -16,7 +16,7 @@ import torch
 
 from rlfleet.weightsync._deadline import DEFAULT_SYNC_TIMEOUT_S, Deadline
 from rlfleet.weightsync.buffers._buffers import BufferBase
-from rlfleet.weightsync.codec._delta_state import pack_base
+from rlfleet.weightsync.codec._delta_state import pack_base, tensor_pieces
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.layout._packing import flat_views
 
@@ -101,6 +101,10 @@ class RecordingConsumer(BufferBase):
     def copy_base(self, index: int, out: torch.Tensor) -> bool:
         """Bucket `index` of the applied version, `weights`, into `out` (a delta's base)."""
         return pack_base(self._layout, index, self.weights, out)
+
+    def base_pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        """`weights`' bucket `index` as a delta's base without a copy."""
+        return tensor_pieces(self._layout, index, self.weights)
 
     # -- landing zones -----------------------------------------------------------------------
     def bucket_target(self, index: int) -> torch.Tensor | None:

@@ -27,7 +27,7 @@ from rlfleet.weightsync._deadline import Deadline
 from rlfleet.weightsync._errors import SyncAbortedError
 from rlfleet.weightsync.buffers._assembly import Assembly
 from rlfleet.weightsync.buffers._consumers import takes_deltas
-from rlfleet.weightsync.codec._delta_state import DeltaBase
+from rlfleet.weightsync.codec._delta_state import DeltaBase, base_pieces_of
 from rlfleet.weightsync.layout._layout import Layout
 from rlfleet.weightsync.protocol._protocol import BucketConsumer
 
@@ -84,6 +84,9 @@ class TimedConsumer:
 
     def copy_base(self, index: int, out: torch.Tensor) -> bool:
         return isinstance(self.inner, DeltaBase) and self.inner.copy_base(index, out)
+
+    def base_pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        return base_pieces_of(self.inner, index)
 
     def prepare_commit(self, version: int, deadline: Deadline) -> None:
         prepare = getattr(self.inner, "prepare_commit", None)

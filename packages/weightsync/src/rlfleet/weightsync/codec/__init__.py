@@ -9,19 +9,23 @@ from rlfleet.weightsync.codec._delta import (
     DELTA_KINDS,
     DeltaPayload,
     apply_delta,
+    apply_delta_digest,
     bucket_digest,
     encode_delta,
 )
+from rlfleet.weightsync.codec._delta_scan import native_codec
 from rlfleet.weightsync.codec._delta_state import (
     DELTA_MODES,
     DeltaBase,
     DeltaEncoder,
     DeltaStats,
+    base_pieces_of,
     check_delta_mode,
     clear_padding,
     holds_base,
     pack_base,
     rebuild,
+    tensor_pieces,
 )
 from rlfleet.weightsync.codec._fp8 import (
     FP8_BLOCK,
@@ -47,6 +51,8 @@ __all__ = [
     "DeltaPayload",
     "DeltaStats",
     "apply_delta",
+    "apply_delta_digest",
+    "base_pieces_of",
     "bucket_digest",
     "check_delta_mode",
     "clear_padding",
@@ -56,8 +62,10 @@ __all__ = [
     "fp8_layout",
     "fp8_names",
     "holds_base",
+    "native_codec",
     "pack_base",
     "quantize_fp8_blocks",
     "quantize_state_dict",
     "rebuild",
+    "tensor_pieces",
 ]

@@ -23,24 +23,34 @@ sum, which every torn, stale or foreign byte makes but for a 2**-64 chance, chan
 swapped within a row keep its sum: a reordering, which no failure here produces).
 
 On the host the sender sweeps a bucket once, in cache-sized chunks shared among the copy
-threads (`_delta_scan`): compare, refine, update its base and sum the digest rows per chunk.
+threads (`_delta_scan`): compare, refine, update its base and sum the digest rows per chunk; a
+receiver writes each chunk's changes and sums its rows in one pass the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from rlfleet.weightsync._errors import MetadataError
-from rlfleet.weightsync.codec._delta_scan import ROW_WORDS, digest_of_sums, scan_changes
+from rlfleet.weightsync.codec._delta_scan import (
+    ROW_WORDS,
+    BasePieces,
+    apply_changes,
+    base_filler,
+    digest_of_sums,
+    scan_changes,
+)
 
 __all__ = [
     "DEFAULT_MAX_FRACTION",
     "DELTA_KINDS",
     "DeltaPayload",
     "apply_delta",
+    "apply_delta_digest",
     "bucket_digest",
     "encode_delta",
 ]
@@ -90,11 +100,13 @@ def bucket_digest(bucket: torch.Tensor) -> int:
     return digest_of_sums([sums.cpu().numpy()])
 
 
-def _changed_words(
-    current: torch.Tensor, base: torch.Tensor, update: bool
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Indices (int64) of the 2-byte words of `current` that differ from `base`, their values
-    (int16) and the digest of `current`; `base` takes the changes when `update`.
+Pieces = list[tuple[Any, Any]]
+
+
+def _changed_words(current: torch.Tensor, base: torch.Tensor, update: bool) -> tuple[Pieces, int]:
+    """The 2-byte words of `current` that differ from `base`, as (indices, int16 values) pieces in
+    order (numpy per chunk on the host, one torch pair on a GPU), and the digest of `current`;
+    `base` takes the changes when `update`.
 
     Coarse first: 8-byte words compared at memory speed, then the few that differ split in four
     (on the host in cache-sized chunks, `_delta_scan`).
@@ -102,9 +114,7 @@ def _changed_words(
     cur64, base64 = current.view(torch.int64), base.view(torch.int64)
     if current.is_cpu:
         chunks = scan_changes(cur64.numpy(), base64.numpy(), update)
-        index_np = np.concatenate([c[0] for c in chunks]) if chunks else np.empty(0, np.int64)
-        values_np = np.concatenate([c[1] for c in chunks]) if chunks else np.empty(0, np.int16)
-        return torch.from_numpy(index_np), torch.from_numpy(values_np), digest_of_sums([c[2] for c in chunks])
+        return [(c[0], c[1]) for c in chunks], digest_of_sums([c[2] for c in chunks])
     digest = bucket_digest(current)
     coarse = torch.ne(cur64, base64).nonzero().view(-1)
     new = cur64.index_select(0, coarse).view(torch.int16)
@@ -112,7 +122,28 @@ def _changed_words(
     index, values = coarse.index_select(0, fine // 4) * 4 + fine % 4, new.index_select(0, fine)
     if update:
         base.view(torch.int16).index_copy_(0, index, values)
-    return index, values, digest
+    return [(index, values)], digest
+
+
+def _write_pieces(pieces: Pieces, index_out: torch.Tensor | None, values_out: torch.Tensor) -> None:
+    """Each piece's indices (as int32) and values into their place in the payload, in order."""
+    at = 0
+    for index, values in pieces:
+        n = len(values)
+        if isinstance(values, np.ndarray):
+            np.copyto(values_out[at : at + n].numpy(), values)
+            if index_out is not None:
+                np.copyto(index_out[at : at + n].numpy(), index, casting="unsafe")
+        else:
+            values_out[at : at + n].copy_(values)
+            if index_out is not None:
+                index_out[at : at + n].copy_(index)
+        at += n
+
+
+def _index_array(pieces: Pieces) -> np.ndarray:
+    parts = [i if isinstance(i, np.ndarray) else i.cpu().numpy() for i, _ in pieces]
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
 def encode_delta(
@@ -134,8 +165,8 @@ def encode_delta(
             f"base bucket is {tuple(base.shape)} on {base.device}, the bucket {tuple(current.shape)} "
             f"on {current.device}"
         )
-    index, values, digest = _changed_words(current, base, update)
-    count = int(index.numel())
+    pieces, digest = _changed_words(current, base, update)
+    count = sum(len(v) for _, v in pieces)
     sparse = _HEAD + _pad8(4 * count) + 2 * count
     bitmap = _HEAD + _pad8(-(-words // 8)) + 2 * count
     use_bitmap = bitmap <= BITMAP_PREFERENCE * sparse
@@ -147,15 +178,14 @@ def encode_delta(
     body = out[_HEAD:]
     if not use_bitmap:
         body[4 * count : _pad8(4 * count)].zero_()
-        body[: 4 * count].view(torch.int32).copy_(index)
-        body[_pad8(4 * count) :].view(torch.int16).copy_(values)
+        _write_pieces(pieces, body[: 4 * count].view(torch.int32), body[_pad8(4 * count) :].view(torch.int16))
         return DeltaPayload(SPARSE, out, count, digest)
     mask = np.zeros(words, dtype=np.bool_)
-    mask[index.cpu().numpy()] = True
+    mask[_index_array(pieces)] = True
     bits = torch.from_numpy(np.packbits(mask, bitorder="little"))
     body[: bits.numel()].copy_(bits)
     body[bits.numel() : _pad8(bits.numel())].zero_()
-    body[_pad8(bits.numel()) :].view(torch.int16).copy_(values)
+    _write_pieces(pieces, None, body[_pad8(bits.numel()) :].view(torch.int16))
     return DeltaPayload(BITMAP, out, count, digest)
 
 
@@ -174,34 +204,61 @@ def _header(payload: torch.Tensor, words: int, kind: str) -> int:
     return count
 
 
-def apply_delta(kind: str, payload: torch.Tensor, out: torch.Tensor) -> int:
-    """Write the changes of a ``sparse`` or ``bitmap`` `payload` into `out` (which holds the base).
-
-    Returns the number of changed words; a payload that does not fit `out` is a `MetadataError`
-    (nothing is written past the checks).
-    """
-    words = _words(out, "a rebuilt bucket")
+def _decode(kind: str, payload: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changed words' indices (sorted, int32 or int64) and values (int16) of a payload."""
     count = _header(payload, words, kind)
     body = payload[_HEAD:]
     if kind == SPARSE:
         need = _pad8(4 * count) + 2 * count
         if body.numel() != need:
             raise MetadataError(f"sparse delta of {count} changes is {body.numel()} bytes, expected {need}")
-        index = body[: 4 * count].view(torch.int32).to(torch.int64)
-        values = body[_pad8(4 * count) :].view(torch.int16)
-        if count and (int(index.min()) < 0 or int(index.max()) >= words):
-            raise MetadataError(f"sparse delta names a word outside the bucket's {words}")
-    elif kind == BITMAP:
+        return body[: 4 * count].view(torch.int32), body[_pad8(4 * count) :].view(torch.int16)
+    if kind == BITMAP:
         nbits = _pad8(-(-words // 8))
         if body.numel() != nbits + 2 * count:
             raise MetadataError(f"bitmap delta is {body.numel()} bytes, expected {nbits + 2 * count}")
         bits = body[: -(-words // 8)].cpu().numpy()
-        mask = np.unpackbits(bits, count=words, bitorder="little")
-        index = torch.from_numpy(np.flatnonzero(mask)).to(out.device)
+        index = torch.from_numpy(np.flatnonzero(np.unpackbits(bits, count=words, bitorder="little")))
         if int(index.numel()) != count:
             raise MetadataError(f"bitmap delta marks {index.numel()} words but carries {count} values")
-        values = body[nbits:].view(torch.int16)
-    else:
-        raise MetadataError(f"unknown delta kind {kind!r}; known: {list(DELTA_KINDS[1:])}")
-    out.view(torch.int16).index_copy_(0, index.to(out.device), values.to(out.device))
-    return count
+        return index, body[nbits:].view(torch.int16)
+    raise MetadataError(f"unknown delta kind {kind!r}; known: {list(DELTA_KINDS[1:])}")
+
+
+def _apply(
+    kind: str, payload: torch.Tensor, out: torch.Tensor, base: BasePieces | None = None
+) -> tuple[int, list[np.ndarray] | None]:
+    """Write the changes into `out` (holding the base, or filled from `base` chunk by chunk); on
+    the host also the row sums of the result (one pass)."""
+    words = _words(out, "a rebuilt bucket")
+    index, values = _decode(kind, payload, words)
+    if out.is_cpu:
+        fill = base_filler(base, out.numpy()) if base is not None else None
+        sums = apply_changes(out.view(torch.int64).numpy(), index.cpu().numpy(), values.cpu().numpy(), fill)
+        return int(index.numel()), sums
+    if base is not None:
+        raise ValueError("base pieces are for a host rebuild; a device rebuild copies its base first")
+    index = index.to(out.device, torch.int64)
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= words):
+        raise MetadataError(f"sparse delta names a word outside the bucket's {words}")
+    out.view(torch.int16).index_copy_(0, index, values.to(out.device))
+    return int(index.numel()), None
+
+
+def apply_delta(kind: str, payload: torch.Tensor, out: torch.Tensor) -> int:
+    """Write the changes of a ``sparse`` or ``bitmap`` `payload` into `out` (which holds the base).
+
+    Returns the number of changed words; a payload that does not fit `out` is a `MetadataError`
+    (`out` may then be written in part: it is a landing zone nobody commits on an error).
+    """
+    return _apply(kind, payload, out)[0]
+
+
+def apply_delta_digest(
+    kind: str, payload: torch.Tensor, out: torch.Tensor, base: BasePieces | None = None
+) -> tuple[int, int]:
+    """`apply_delta`, and the `bucket_digest` of the result: on the host summed in the same pass,
+    each chunk while its changes are in cache. With `base` (``DeltaBase.base_pieces``, host
+    tensors) each chunk of `out` is first filled from the base in that pass: no separate copy."""
+    count, sums = _apply(kind, payload, out, base)
+    return count, (digest_of_sums(sums) if sums is not None else bucket_digest(out))

@@ -1,4 +1,5 @@
-"""The sender's host pass behind a delta: one sweep over a bucket in cache-sized chunks.
+"""The host passes behind a delta: the sender's sweep over a bucket and the receiver's apply
+and check, each in cache-sized chunks shared among the copy threads.
 
 The compare reads the bucket and the base from memory once; the rest is done on each chunk
 while it is in cache: the 8-byte words that differ are refined into 2-byte words, written into
@@ -11,21 +12,34 @@ numpy's ``nonzero`` goes branchless once more than a tenth of its input is set (
 of the 2-byte words changed, ~8% of the 8-byte words differ, so the 8-byte mask is padded with
 set entries (an eighth of its length) to take the branchless loop, and the padding's hits are
 dropped.
+
+With numba installed both passes run compiled loops per 4 KiB row instead (`_delta_kernels`);
+the chunks, the bytes and the digests are the same.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
+from rlfleet.weightsync._errors import MetadataError
+from rlfleet.weightsync.codec._delta_kernels import ROW_WORDS, Kernels, kernels
 from rlfleet.weightsync.layout._copy import default_copy_threads, map_threads
 
-__all__ = ["ROW_WORDS", "digest_of_sums", "row_sums", "scan_changes"]
-
-#: int64 words per digest row (4 KiB; a bucket's last partial row is summed on its own).
-ROW_WORDS = 512
+__all__ = [
+    "ROW_WORDS",
+    "BasePieces",
+    "apply_changes",
+    "base_filler",
+    "digest_of_sums",
+    "native_codec",
+    "row_sums",
+    "scan_changes",
+]
 #: int64 words per chunk: 1 MiB, a multiple of the row (the fastest of 64 KiB to 1 MiB measured:
 #: smaller chunks pay numpy's per-call cost more often).
 CHUNK_WORDS = 1 << 17
@@ -35,6 +49,16 @@ _EMPTY_INDEX = np.empty(0, dtype=np.int64)
 _EMPTY_VALUES = np.empty(0, dtype=np.int16)
 
 Changes = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: A base bucket as (byte offset, flat uint8 host tensor) pieces; bytes no piece covers are zero.
+BasePieces = Sequence[tuple[int, torch.Tensor]]
+#: Fills bytes [start, end) of the bucket being rebuilt from its base.
+Filler = Callable[[int, int], None]
+
+
+def native_codec() -> bool:
+    """Whether the delta codec's host passes run compiled (numba installed, the ``native``
+    extra, and not disabled by ``RLFLEET_DELTA_NATIVE=0``) or through numpy."""
+    return kernels() is not None
 
 
 def row_sums(words: np.ndarray) -> np.ndarray:
@@ -89,16 +113,136 @@ def _scan_chunk(cur: np.ndarray, base: np.ndarray, lo: int, mask: np.ndarray, up
     return index, new16[fine], sums
 
 
+class _NativeScratch:
+    """One copy thread's output buffers for the compiled sweep (a chunk's worst case: every word)."""
+
+    def __init__(self, compiled: Kernels) -> None:
+        self.compiled = compiled
+        self.index = np.empty(4 * CHUNK_WORDS, dtype=np.int64)
+        self.values = np.empty(4 * CHUNK_WORDS, dtype=np.int16)
+        self.coarse = np.empty(ROW_WORDS, dtype=np.int64)
+
+    def scan(self, cur: np.ndarray, base: np.ndarray, lo: int, mask: np.ndarray, update: bool) -> Changes:
+        """`_scan_chunk`'s result for the chunk at word `lo`, its whole rows by the compiled loop."""
+        whole = cur.size // ROW_WORDS * ROW_WORDS
+        sums = np.empty(whole // ROW_WORDS, dtype=np.int64)
+        count = self.compiled.scan_rows(
+            cur[:whole], base[:whole], update, 4 * lo, self.index, self.values, sums, self.coarse
+        )
+        index, values = self.index[:count].copy(), self.values[:count].copy()
+        if whole == cur.size:
+            return index, values, sums
+        t_index, t_values, t_sums = _scan_chunk(cur[whole:], base[whole:], lo + whole, mask, update)
+        return np.append(index, t_index), np.append(values, t_values), np.append(sums, t_sums)
+
+
 def scan_changes(cur: np.ndarray, base: np.ndarray, update: bool) -> list[Changes]:
     """Per chunk of `cur` against `base` (int64 words of one bucket): what `_scan_chunk` gives."""
     chunks, threads = _shares(cur.size)
+    compiled = kernels()
 
     def share(t: int) -> list[Changes]:
         mask = np.empty(CHUNK_WORDS + CHUNK_WORDS // 8, dtype=np.bool_)
+        native = _NativeScratch(compiled) if compiled is not None else None
         out = []
         for lo, hi in chunks[t::threads]:
-            out.append(_scan_chunk(cur[lo:hi], base[lo:hi], lo, mask, update))
+            if native is not None:
+                out.append(native.scan(cur[lo:hi], base[lo:hi], lo, mask, update))
+            else:
+                out.append(_scan_chunk(cur[lo:hi], base[lo:hi], lo, mask, update))
         return out
+
+    per_thread = map_threads(share, threads)
+    return [per_thread[i % threads][i // threads] for i in range(len(chunks))]
+
+
+_DISORDER = "sparse delta's word indices are not increasing inside the bucket"
+
+
+def _apply_chunk(
+    compiled: Kernels | None, out: np.ndarray, lo: int, index: np.ndarray, values: np.ndarray
+) -> np.ndarray:
+    """Write one chunk's changes (`index` in bucket numbering, for the chunk at word `lo`) into
+    `out` (the chunk's int64 words) and return its row sums, read while in cache. Indices out of
+    order or outside the chunk are a `MetadataError`, found before numpy writes any."""
+    whole = out.size // ROW_WORDS * ROW_WORDS if compiled is not None else 0
+    sums = np.empty(whole // ROW_WORDS, dtype=np.int64)
+    done = 0
+    if compiled is not None and whole:
+        done = int(np.searchsorted(index, 4 * (lo + whole)))
+        if compiled.apply_rows(out[:whole], 4 * lo, index[:done], values[:done], sums) < 0:
+            raise MetadataError(_DISORDER)
+    rest = index[done:]
+    if rest.size:
+        if int(rest[0]) < 4 * (lo + whole) or int(rest[-1]) >= 4 * (lo + out.size):
+            raise MetadataError(_DISORDER)
+        if rest.size > 1 and not bool(np.all(rest[1:] > rest[:-1])):
+            raise MetadataError(_DISORDER)
+        out.view(np.int16)[rest - 4 * lo] = values[done:]
+    return sums if whole == out.size else np.append(sums, row_sums(out[whole:]))
+
+
+def base_filler(pieces: BasePieces, out: np.ndarray) -> Filler:
+    """A `Filler` that writes `out` (the bucket's flat uint8 bytes) from `pieces`, zeros between
+    them. `MetadataError` for a piece that overlaps another or leaves the bucket."""
+    segments: list[tuple[int, int, np.ndarray | None]] = []
+    cursor = 0
+    for offset, piece in sorted(pieces, key=lambda p: p[0]):
+        size = int(piece.numel())
+        if offset < cursor or offset + size > out.size or piece.dtype != torch.uint8 or not piece.is_cpu:
+            raise MetadataError(f"a base piece of {size} bytes at {offset} does not fit the {out.size}-byte bucket")
+        if offset > cursor:
+            segments.append((cursor, offset, None))
+        segments.append((offset, offset + size, piece.numpy()))
+        cursor = offset + size
+    if cursor < out.size:
+        segments.append((cursor, out.size, None))
+    starts = [s for s, _, _ in segments]
+
+    def fill(start: int, end: int) -> None:
+        i = max(0, bisect.bisect_right(starts, start) - 1)
+        while i < len(segments) and segments[i][0] < end:
+            lo, hi, source = segments[i]
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                if source is None:
+                    out[a:b] = 0
+                else:
+                    np.copyto(out[a:b], source[a - lo : b - lo])
+            i += 1
+
+    return fill
+
+
+def apply_changes(
+    out: np.ndarray, index: np.ndarray, values: np.ndarray, fill: Filler | None = None
+) -> list[np.ndarray]:
+    """Write `values` (int16) at the 2-byte words `index` (strictly increasing) of `out` (int64
+    words of one bucket, holding the base) and return the row sums of the result per chunk
+    (`digest_of_sums`): the changes and the check in one pass, a chunk at a time in cache. With
+    `fill` each chunk is first written from the base (`base_filler`) in the same pass.
+
+    `MetadataError` when `index` is out of order or outside `out` (then `out` may be written
+    in part: it is a landing zone that nobody commits on an error).
+    """
+    if index.size != values.size:
+        raise MetadataError(f"sparse delta has {index.size} indices and {values.size} values")
+    chunks, threads = _shares(out.size)
+    compiled = kernels()
+    bounds = np.searchsorted(index, [4 * lo for lo, _ in chunks] + [4 * out.size])
+    # Each chunk checks its own share: in order and inside the chunk; the shares in order and
+    # covering every index then make the whole index increasing and inside the bucket.
+    if index.size and (bounds[0] != 0 or bounds[-1] != index.size or bool(np.any(np.diff(bounds) < 0))):
+        raise MetadataError(f"{_DISORDER} (or names a word outside its {4 * out.size})")
+
+    def share(t: int) -> list[np.ndarray]:
+        sums = []
+        for c in range(t, len(chunks), threads):
+            (lo, hi), (i, j) = chunks[c], (bounds[c], bounds[c + 1])
+            if fill is not None:
+                fill(8 * lo, 8 * hi)
+            sums.append(_apply_chunk(compiled, out[lo:hi], lo, index[i:j], values[i:j]))
+        return sums
 
     per_thread = map_threads(share, threads)
     return [per_thread[i % threads][i // threads] for i in range(len(chunks))]

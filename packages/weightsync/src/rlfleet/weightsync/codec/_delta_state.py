@@ -30,7 +30,7 @@ from rlfleet.weightsync.codec._delta import (
     FULL,
     DeltaPayload,
     apply_delta,
-    bucket_digest,
+    apply_delta_digest,
     encode_delta,
 )
 from rlfleet.weightsync.layout._copy import copy_pairs
@@ -47,7 +47,9 @@ __all__ = [
     "clear_padding",
     "holds_base",
     "pack_base",
+    "base_pieces_of",
     "rebuild",
+    "tensor_pieces",
 ]
 
 #: ``"auto"``: a delta whenever every receiver holds the sender's base; ``"off"``: always full.
@@ -68,6 +70,11 @@ class DeltaBase(Protocol):
     ``copy_base(index, out)`` writes bucket `index` of the applied version (its wire bytes) into
     `out` (flat uint8 of the bucket's nbytes) and returns True, or returns False when it cannot
     (then the receiver asks for full versions).
+
+    A consumer may also offer ``base_pieces(index)``: the same bytes without a copy, as
+    ``(byte offset, flat uint8 host tensor)`` pairs (the rest of the bucket is zero padding), or
+    None. A host rebuild then copies, applies and digests each cache-sized chunk in one pass
+    instead of copying the whole bucket first (`tensor_pieces` builds them from tensors).
     """
 
     def copy_base(self, index: int, out: torch.Tensor) -> bool: ...
@@ -105,6 +112,29 @@ def pack_base(layout: Layout, index: int, tensors: Mapping[str, torch.Tensor], o
     return True
 
 
+def tensor_pieces(
+    layout: Layout, index: int, tensors: Mapping[str, torch.Tensor]
+) -> list[tuple[int, torch.Tensor]] | None:
+    """Bucket `index` of `tensors` (an applied version, in the wire dtype) as ``base_pieces``: each
+    tensor's bytes at its offset, no copy; None unless every one is a contiguous host tensor of
+    the layout's size (then `copy_base` is the way)."""
+    pieces = []
+    for spec in layout.buckets[index].tensors:
+        if not spec.nbytes:
+            continue
+        t = tensors.get(spec.name)
+        if t is None or not t.is_cpu or not t.is_contiguous() or t.numel() * t.element_size() != spec.nbytes:
+            return None
+        pieces.append((spec.offset, t.detach().reshape(-1).view(torch.uint8)))
+    return pieces
+
+
+def base_pieces_of(consumer: object, index: int) -> list[tuple[int, torch.Tensor]] | None:
+    """`consumer.base_pieces(index)` when it offers them (see `DeltaBase`), else None."""
+    offer = getattr(consumer, "base_pieces", None)
+    return offer(index) if callable(offer) else None
+
+
 def holds_base(consumer: object, base: int | None) -> bool:
     """Whether `consumer` can rebuild a delta against version `base` (its applied version)."""
     return (
@@ -125,12 +155,14 @@ def rebuild(
     """
     if kind == FULL:
         out.copy_(payload)
-    else:
-        if not consumer.copy_base(index, out):
-            raise ChecksumMismatchError(f"bucket {index}: the consumer cannot provide its base", index)
+        return
+    pieces = base_pieces_of(consumer, index) if out.is_cpu and digest is not None else None
+    if pieces is None and not consumer.copy_base(index, out):
+        raise ChecksumMismatchError(f"bucket {index}: the consumer cannot provide its base", index)
+    if digest is None:
         apply_delta(kind, payload, out)
-    if digest is not None and kind != FULL:
-        got = bucket_digest(out)
+    else:
+        got = apply_delta_digest(kind, payload, out, pieces)[1]
         if got != digest:
             raise ChecksumMismatchError(
                 f"bucket {index}: the delta applied to this receiver's base gives digest {got:#018x}, "

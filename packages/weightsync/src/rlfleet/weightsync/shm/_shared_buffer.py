@@ -238,6 +238,19 @@ class SharedBuffer(BufferBase):
         clear_padding(self._layout, index, out)
         return True
 
+    def base_pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        """`copy_base`'s bytes without the copy: each tensor's range of the newest committed slot."""
+        newest = self._table.newest()
+        if newest is None or self._table.version(newest) != self._version:
+            return None
+        start = self._starts[index]
+        slot = self._slots[newest]
+        return [
+            (spec.offset, slot[start + spec.offset : start + spec.offset + spec.nbytes])
+            for spec in self._layout.buckets[index].tensors
+            if spec.nbytes
+        ]
+
     def bucket_target(self, index: int) -> torch.Tensor | None:
         """Bucket `index`'s bytes in the slot being written (a transport or `feed` lands there)."""
         with self._state_lock:
