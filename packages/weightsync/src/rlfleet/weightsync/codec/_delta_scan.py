@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -76,13 +77,9 @@ def digest_of_sums(sums: Sequence[np.ndarray]) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
-def _chunks(words: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + CHUNK_WORDS, words)) for lo in range(0, words, CHUNK_WORDS)]
-
-
-def _shares(words: int) -> tuple[list[tuple[int, int]], int]:
+def _shares(words: int, chunk: int = CHUNK_WORDS) -> tuple[list[tuple[int, int]], int]:
     """The chunks of a bucket of `words` int64 words and how many threads share them."""
-    chunks = _chunks(words)
+    chunks = [(lo, min(lo + chunk, words)) for lo in range(0, words, chunk)]
     return chunks, max(1, min(default_copy_threads(), len(chunks)))
 
 
@@ -113,44 +110,53 @@ def _scan_chunk(cur: np.ndarray, base: np.ndarray, lo: int, mask: np.ndarray, up
     return index, new16[fine], sums
 
 
-class _NativeScratch:
-    """One copy thread's output buffers for the compiled sweep (a chunk's worst case: every word)."""
+#: int64 words per chunk of the compiled sweep (8 MiB): it streams rows itself, so a chunk only
+#: bounds its output buffers; fewer calls save numba's per-call argument checks (~10 us).
+NATIVE_CHUNK_WORDS = 1 << 20
+_scratch = threading.local()
 
-    def __init__(self, compiled: Kernels) -> None:
-        self.compiled = compiled
-        self.index = np.empty(4 * CHUNK_WORDS, dtype=np.int64)
-        self.values = np.empty(4 * CHUNK_WORDS, dtype=np.int16)
-        self.coarse = np.empty(ROW_WORDS, dtype=np.int64)
 
-    def scan(self, cur: np.ndarray, base: np.ndarray, lo: int, mask: np.ndarray, update: bool) -> Changes:
-        """`_scan_chunk`'s result for the chunk at word `lo`, its whole rows by the compiled loop."""
-        whole = cur.size // ROW_WORDS * ROW_WORDS
-        sums = np.empty(whole // ROW_WORDS, dtype=np.int64)
-        count = self.compiled.scan_rows(
-            cur[:whole], base[:whole], update, 4 * lo, self.index, self.values, sums, self.coarse
-        )
-        index, values = self.index[:count].copy(), self.values[:count].copy()
-        if whole == cur.size:
-            return index, values, sums
-        t_index, t_values, t_sums = _scan_chunk(cur[whole:], base[whole:], lo + whole, mask, update)
-        return np.append(index, t_index), np.append(values, t_values), np.append(sums, t_sums)
+def _native_buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's output buffers for the compiled sweep (a chunk's worst case, every word
+    changed: 24 MiB of address space, touched only as far as changes are written), reused."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        lanes = 4 * NATIVE_CHUNK_WORDS
+        buffers = (np.empty(lanes, np.int32), np.empty(lanes, np.int16), np.empty(ROW_WORDS, np.int64))
+        _scratch.buffers = buffers
+    return buffers
+
+
+def _native_scan(compiled: Kernels, cur: np.ndarray, base: np.ndarray, lo: int, update: bool) -> Changes:
+    """`_scan_chunk`'s result for the chunk at word `lo`, its whole rows by the compiled loop
+    (indices as int32: a delta's bucket has fewer than 2**31 words)."""
+    index_out, values_out, coarse = _native_buffers()
+    whole = cur.size // ROW_WORDS * ROW_WORDS
+    sums = np.empty(whole // ROW_WORDS, dtype=np.int64)
+    count = compiled.scan_rows(cur[:whole], base[:whole], update, 4 * lo, index_out, values_out, sums, coarse)
+    index, values = index_out[:count].copy(), values_out[:count].copy()  # the buffers are reused
+    if whole == cur.size:
+        return index, values, sums
+    tail = cur.size - whole
+    mask = np.empty(tail + tail // 8 + 1, dtype=np.bool_)
+    t_index, t_values, t_sums = _scan_chunk(cur[whole:], base[whole:], lo + whole, mask, update)
+    return np.append(index, t_index), np.append(values, t_values), np.append(sums, t_sums)
 
 
 def scan_changes(cur: np.ndarray, base: np.ndarray, update: bool) -> list[Changes]:
     """Per chunk of `cur` against `base` (int64 words of one bucket): what `_scan_chunk` gives."""
-    chunks, threads = _shares(cur.size)
     compiled = kernels()
+    chunk = CHUNK_WORDS
+    if compiled is not None:  # as few calls as fill the copy threads, whole rows each
+        rows = -(-cur.size // (default_copy_threads() * ROW_WORDS))
+        chunk = max(ROW_WORDS, min(NATIVE_CHUNK_WORDS, rows * ROW_WORDS))
+    chunks, threads = _shares(cur.size, chunk)
 
     def share(t: int) -> list[Changes]:
+        if compiled is not None:
+            return [_native_scan(compiled, cur[lo:hi], base[lo:hi], lo, update) for lo, hi in chunks[t::threads]]
         mask = np.empty(CHUNK_WORDS + CHUNK_WORDS // 8, dtype=np.bool_)
-        native = _NativeScratch(compiled) if compiled is not None else None
-        out = []
-        for lo, hi in chunks[t::threads]:
-            if native is not None:
-                out.append(native.scan(cur[lo:hi], base[lo:hi], lo, mask, update))
-            else:
-                out.append(_scan_chunk(cur[lo:hi], base[lo:hi], lo, mask, update))
-        return out
+        return [_scan_chunk(cur[lo:hi], base[lo:hi], lo, mask, update) for lo, hi in chunks[t::threads]]
 
     per_thread = map_threads(share, threads)
     return [per_thread[i % threads][i // threads] for i in range(len(chunks))]
