@@ -13,8 +13,10 @@ of the 2-byte words changed, ~8% of the 8-byte words differ, so the 8-byte mask 
 set entries (an eighth of its length) to take the branchless loop, and the padding's hits are
 dropped.
 
-With numba installed both passes run compiled loops per 4 KiB row instead (`_delta_kernels`);
-the chunks, the bytes and the digests are the same.
+With numba installed both passes run compiled loops per 4 KiB row instead (`_delta_kernels`):
+the sender's in one call per copy thread (8 MiB at most), a receiver's per 1 MiB chunk, filled
+from the consumer's base pieces in the same pass when it offers them; the bytes and the
+digests are the same.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "row_sums",
     "scan_changes",
 ]
+
 #: int64 words per chunk: 1 MiB, a multiple of the row (the fastest of 64 KiB to 1 MiB measured:
 #: smaller chunks pay numpy's per-call cost more often).
 CHUNK_WORDS = 1 << 17
@@ -154,7 +157,9 @@ def scan_changes(cur: np.ndarray, base: np.ndarray, update: bool) -> list[Change
 
     def share(t: int) -> list[Changes]:
         if compiled is not None:
-            return [_native_scan(compiled, cur[lo:hi], base[lo:hi], lo, update) for lo, hi in chunks[t::threads]]
+            return [
+                _native_scan(compiled, cur[lo:hi], base[lo:hi], lo, update) for lo, hi in chunks[t::threads]
+            ]
         mask = np.empty(CHUNK_WORDS + CHUNK_WORDS // 8, dtype=np.bool_)
         return [_scan_chunk(cur[lo:hi], base[lo:hi], lo, mask, update) for lo, hi in chunks[t::threads]]
 
@@ -196,7 +201,9 @@ def base_filler(pieces: BasePieces, out: np.ndarray) -> Filler:
     for offset, piece in sorted(pieces, key=lambda p: p[0]):
         size = int(piece.numel())
         if offset < cursor or offset + size > out.size or piece.dtype != torch.uint8 or not piece.is_cpu:
-            raise MetadataError(f"a base piece of {size} bytes at {offset} does not fit the {out.size}-byte bucket")
+            raise MetadataError(
+                f"a base piece of {size} bytes at {offset} does not fit the {out.size}-byte bucket"
+            )
         if offset > cursor:
             segments.append((cursor, offset, None))
         segments.append((offset, offset + size, piece.numpy()))

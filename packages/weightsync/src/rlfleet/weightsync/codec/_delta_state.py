@@ -43,11 +43,11 @@ __all__ = [
     "DeltaEncoder",
     "DeltaSenderBase",
     "DeltaStats",
+    "base_pieces_of",
     "check_delta_mode",
     "clear_padding",
     "holds_base",
     "pack_base",
-    "base_pieces_of",
     "rebuild",
     "tensor_pieces",
 ]
