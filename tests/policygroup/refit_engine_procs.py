@@ -3,6 +3,8 @@ ranks that are not policies at all: they speak only weightsync (MemberGroup + Br
 
 Engines ``engine_gpu_counts=[1, 2]``, ``engine_gpu_offsets=[2, 0]``: engine 0 is engine rank 2,
 engine 1 spans engine ranks 0 and 1. World: trainers 0, 1, then engine ranks 0..2 (5 ranks).
+The trainers keep fp32 weights and the engines serve bf16 (``wire_dtype="bfloat16"``): each
+version travels cast once by the sending trainer.
 """
 
 from __future__ import annotations
@@ -38,13 +40,19 @@ def version_state(version: int) -> dict[str, torch.Tensor]:
     return {k: torch.randn(v.shape, generator=g) for k, v in build_model().state_dict().items()}
 
 
+def served(version: int) -> str:
+    """The checksum of `version` as the engines serve it (bf16)."""
+    return checksum({k: v.to(torch.bfloat16) for k, v in version_state(version).items()})
+
+
 class Trainer(BasePolicy):
     def build_model(self) -> torch.nn.Module:
         return build_model()
 
 
 def trainer(index: int, port: int) -> dict[str, Any]:
-    config = PolicyConfig(group_timeout_s=60.0, weight_buffer=WeightBufferConfig(bucket_bytes=BUCKET))
+    buffer = WeightBufferConfig(bucket_bytes=BUCKET, wire_dtype="bfloat16")
+    config = PolicyConfig(group_timeout_s=60.0, weight_buffer=buffer)
     policy = Trainer(config, role="train", index=index, device="cpu")
     policy.init_collective("127.0.0.1", port, WORLD, train_world_size=TRAINERS)
     policy.connect_sglang_rollout_engines(engine_gpu_counts=COUNTS, engine_gpu_offsets=OFFSETS)
@@ -79,20 +87,21 @@ def engine(engine_index: int, local_rank: int, port: int, recovered: bool = Fals
     """A rollout engine rank that knows only weightsync and the topology's naming rule."""
     rank = RolloutEngines.describe(TRAINERS, COUNTS, OFFSETS).member_rank(engine_index, local_rank)
     store = connect_store("127.0.0.1", port, rank, WORLD, DEADLINE_S)
-    model = build_model()
+    model = build_model().to(torch.bfloat16)
     out: dict[str, Any] = {"member_rank": rank}
     if recovered:  # joins the rebuilt refit group only
         receiver, buffer = _join(store, rank, model)
         out["v3_again"] = receiver.receive(buffer, DEADLINE_S).version
-        out["exact"] = checksum(model.state_dict()) == checksum(version_state(3))
+        out["exact"] = checksum(model.state_dict()) == served(3)
         return out
     MemberGroup.create(store, "collective", rank, WORLD, DEADLINE_S)  # the init_collective world
     receiver, buffer = _join(store, rank, model)
     for version in (1, 2):
         stats = receiver.receive(buffer, DEADLINE_S)
-        out[f"v{version}"] = {"version": stats.version, "exact": checksum(model.state_dict()) == checksum(
-            version_state(version)
-        )}  # fmt: skip
+        out[f"v{version}"] = {
+            "version": stats.version,
+            "exact": checksum(model.state_dict()) == served(version),
+        }
     if (engine_index, local_rank) == DYING:
         return out  # the process exits now: the next refit loses a peer
     before = checksum(model.state_dict())
@@ -102,7 +111,7 @@ def engine(engine_index: int, local_rank: int, port: int, recovered: bool = Fals
     gc.collect()  # a failed receive's traceback may hold the old group in a reference cycle
     receiver, buffer = _join(store, rank, model)  # the trainers connect again
     out["v3_again"] = receiver.receive(buffer, DEADLINE_S).version
-    out["exact"] = checksum(model.state_dict()) == checksum(version_state(3))
+    out["exact"] = checksum(model.state_dict()) == served(3)
     return out
 
 

@@ -236,10 +236,17 @@ def _killing(kind: str, point: str, layout: Layout) -> tuple[Any, Callable[[], d
     from rlfleet.weightsync import DoubleBuffer
 
     class Killing(DoubleBuffer):
-        def copy_base(self, index: int, out: torch.Tensor) -> bool:
+        def _rebuilding(self, index: int) -> None:
             if point == "apply" and self.pending_version == KILL_VERSION and index > 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+
+        def copy_base(self, index: int, out: torch.Tensor) -> bool:
+            self._rebuilding(index)
             return super().copy_base(index, out)
+
+        def base_pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+            self._rebuilding(index)  # a host rebuild reads its base here (no copy first)
+            return super().base_pieces(index)
 
         def prepare_commit(self, version: int, deadline: Any = None) -> None:
             if point == "commit" and version == KILL_VERSION:

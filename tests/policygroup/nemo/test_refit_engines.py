@@ -1,6 +1,7 @@
 """`connect_sglang_rollout_engines` (NeMo RL), generic: rollout engines by GPU counts and offsets
 form the receiving side of the refit group; engine ranks that speak only weightsync receive each
-version bit-exact; an engine lost mid-group fails the refit and keeps every previous version."""
+version bit-exact in the bf16 they serve (the trainers' fp32 cast once, on the way); an engine
+lost mid-group fails the refit and keeps every previous version."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Any
 
 import pytest
 import refit_engine_procs as procs
+import torch
 from pg_policies import Tiny
 
 from rlfleet.policygroup import CommGroupError, PolicyConfig, RolloutEngines
+from rlfleet.weightsync import Layout
 
 Results = dict[tuple[str, tuple[int, int]], dict[str, Any]]
 TRAINERS = [("trainer", (0, 0)), ("trainer", (1, 0))]
@@ -27,10 +30,12 @@ def test_engines_receive_each_version_bit_exact(results: Results) -> None:
     for key in ENGINES:
         for version in (1, 2):
             assert results[key][f"v{version}"] == {"version": version, "exact": True}, key
+    bf16 = Layout.from_state_dict(procs.build_model().state_dict(), procs.BUCKET, wire_dtype=torch.bfloat16)
     for key in TRAINERS:
         assert results[key]["v1"]["ok"]
         assert results[key]["v2"]["ok"]
         assert results[key]["v2"]["value"]["version"] == 2
+    assert results[TRAINERS[0]]["v2"]["value"]["wire_bytes"] == bf16.total_bytes  # half of fp32's
 
 
 @pytest.mark.timeout(300)

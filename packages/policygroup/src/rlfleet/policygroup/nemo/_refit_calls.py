@@ -94,7 +94,8 @@ class RefitCalls(WorkerHost):
             raise CommGroupError("refit_rollout_engines: connect_sglang_rollout_engines() must come first")
         weights = self._weights
         v = weights.version + 1 if version is None else int(version)
-        layout = weights.layout_for(self.model, self.config.weight_buffer.bucket_bytes)
+        wire = getattr(self.config.weight_buffer, "wire_dtype", None)  # what the engines serve
+        layout = weights.layout_for(self.model, self.config.weight_buffer.bucket_bytes, wire)
         timeout_s = DEFAULT_REFIT_TIMEOUT_S if refit_timeout_s is None else refit_timeout_s
         moved: dict[str, Any] = refit.refit(self.model.state_dict(), layout, v, timeout_s)
         weights.version = v
