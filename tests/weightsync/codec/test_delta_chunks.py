@@ -18,6 +18,7 @@ from rlfleet.weightsync.codec import (
     native_codec,
     rebuild,
 )
+from rlfleet.weightsync.codec._delta_scan import base_filler  # private: the runs a rebuild takes
 
 # three chunks of 1 MiB and a partial 4 KiB row: every chunk boundary and the bucket's tail
 NBYTES = 3 * (1 << 20) + 512
@@ -130,3 +131,34 @@ def test_a_rebuild_from_a_consumers_tensors_fills_padding_and_refuses_a_stale_on
     payload = encode_delta(new, old)
     with pytest.raises(ChecksumMismatchError, match="another base"):
         rebuild(receiver, proj, payload.kind, payload.data, torch.empty_like(new), payload.digest)
+
+
+def test_base_runs_cover_the_range_and_copy_only_whole_rows_of_one_piece() -> None:
+    """The runs a rebuild takes from its base: in order, covering the range; a run with a
+    source holds whole 4 KiB rows inside one piece (or ends the bucket) and is that piece's
+    bytes; the rest (piece edges, gaps) is filled."""
+    nbytes = 5 * 4096 + 512
+    pieces = [(100, torch.arange(9000) % 251), (9100, torch.arange(11000) % 13)]
+    pieces = [(at, p.to(torch.uint8)) for at, p in pieces]
+    out = torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+    filler = base_filler(pieces, out.numpy())
+    expected = torch.zeros(nbytes, dtype=torch.uint8)
+    for at, p in pieces:
+        expected[at : at + p.numel()] = p
+    for start, end in [(0, nbytes), (4096, 3 * 4096), (2 * 4096, nbytes)]:
+        runs = filler.runs(start, end)
+        assert [a for a, _, _ in runs] == [start, *(b for _, b, _ in runs[:-1])]
+        assert runs[-1][1] == end
+        copied = [(a, b, s) for a, b, s in runs if s is not None]
+        assert copied, "a whole row inside a piece is copied by the rebuild"
+        for a, b, source in copied:
+            assert a % 4096 == 0
+            assert b % 4096 == 0 or b == nbytes
+            assert bytes(source.view("u1")) == bytes(expected[a:b].numpy())
+        out.fill_(0xAB)
+        for a, b, source in runs:
+            if source is None:
+                filler(a, b)
+            else:
+                out[a:b] = torch.from_numpy(source.view("u1"))
+        assert torch.equal(out[start:end], expected[start:end])

@@ -29,6 +29,8 @@ receiver writes each chunk's changes and sums its rows in one pass the same way.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,7 @@ from rlfleet.weightsync.codec._delta_scan import (
     digest_of_sums,
     scan_changes,
 )
+from rlfleet.weightsync.layout._copy import default_copy_threads, map_threads
 
 __all__ = [
     "DEFAULT_MAX_FRACTION",
@@ -103,18 +106,20 @@ def bucket_digest(bucket: torch.Tensor) -> int:
 Pieces = list[tuple[Any, Any]]
 
 
-def _changed_words(current: torch.Tensor, base: torch.Tensor, update: bool) -> tuple[Pieces, int]:
+@contextlib.contextmanager
+def _changed_words(current: torch.Tensor, base: torch.Tensor, update: bool) -> Iterator[tuple[Pieces, int]]:
     """The 2-byte words of `current` that differ from `base`, as (indices, int16 values) pieces in
-    order (numpy per chunk on the host, one torch pair on a GPU), and the digest of `current`;
-    `base` takes the changes when `update`.
+    order (numpy per share on the host, valid inside the ``with`` only; one torch pair on a
+    GPU), and the digest of `current`; `base` takes the changes when `update`.
 
     Coarse first: 8-byte words compared at memory speed, then the few that differ split in four
     (on the host in cache-sized chunks, `_delta_scan`).
     """
     cur64, base64 = current.view(torch.int64), base.view(torch.int64)
     if current.is_cpu:
-        chunks = scan_changes(cur64.numpy(), base64.numpy(), update)
-        return [(c[0], c[1]) for c in chunks], digest_of_sums([c[2] for c in chunks])
+        with scan_changes(cur64.numpy(), base64.numpy(), update) as chunks:
+            yield [(c[0], c[1]) for c in chunks], digest_of_sums([c[2] for c in chunks])
+        return
     digest = bucket_digest(current)
     coarse = torch.ne(cur64, base64).nonzero().view(-1)
     new = cur64.index_select(0, coarse).view(torch.int16)
@@ -122,23 +127,36 @@ def _changed_words(current: torch.Tensor, base: torch.Tensor, update: bool) -> t
     index, values = coarse.index_select(0, fine // 4) * 4 + fine % 4, new.index_select(0, fine)
     if update:
         base.view(torch.int16).index_copy_(0, index, values)
-    return [(index, values)], digest
+    yield [(index, values)], digest
 
 
 def _write_pieces(pieces: Pieces, index_out: torch.Tensor | None, values_out: torch.Tensor) -> None:
-    """Each piece's indices (as int32) and values into their place in the payload, in order."""
-    at = 0
-    for index, values in pieces:
-        n = len(values)
+    """Each piece's indices (as int32) and values into their place in the payload, in order
+    (host pieces on the copy threads: the payload's fresh pages fault in parallel)."""
+    starts = np.cumsum([0] + [len(v) for _, v in pieces]).tolist()
+
+    def write(i: int) -> None:
+        (index, values), at, end = pieces[i], starts[i], starts[i + 1]
         if isinstance(values, np.ndarray):
-            np.copyto(values_out[at : at + n].numpy(), values)
+            np.copyto(values_out[at:end].numpy(), values)
             if index_out is not None:
-                np.copyto(index_out[at : at + n].numpy(), index, casting="unsafe")
+                np.copyto(index_out[at:end].numpy(), index, casting="unsafe")
         else:
-            values_out[at : at + n].copy_(values)
+            values_out[at:end].copy_(values)
             if index_out is not None:
-                index_out[at : at + n].copy_(index)
-        at += n
+                index_out[at:end].copy_(index)
+
+    if pieces and isinstance(pieces[0][1], np.ndarray):
+        threads = max(1, min(len(pieces), default_copy_threads()))
+
+        def share(t: int) -> None:
+            for i in range(t, len(pieces), threads):
+                write(i)
+
+        map_threads(share, threads)
+    else:
+        for i in range(len(pieces)):
+            write(i)
 
 
 def _index_array(pieces: Pieces) -> np.ndarray:
@@ -165,7 +183,14 @@ def encode_delta(
             f"base bucket is {tuple(base.shape)} on {base.device}, the bucket {tuple(current.shape)} "
             f"on {current.device}"
         )
-    pieces, digest = _changed_words(current, base, update)
+    with _changed_words(current, base, update) as (pieces, digest):
+        return _encoded(current, words, pieces, digest, max_fraction)
+
+
+def _encoded(
+    current: torch.Tensor, words: int, pieces: Pieces, digest: int, max_fraction: float
+) -> DeltaPayload:
+    """The payload of `pieces` (`encode_delta`'s choice of encoding), written while they are valid."""
     count = sum(len(v) for _, v in pieces)
     sparse = _HEAD + _pad8(4 * count) + 2 * count
     bitmap = _HEAD + _pad8(-(-words // 8)) + 2 * count

@@ -22,9 +22,10 @@ digests are the same.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from rlfleet.weightsync.layout._copy import default_copy_threads, map_threads
 
 __all__ = [
     "ROW_WORDS",
+    "BaseFiller",
     "BasePieces",
     "apply_changes",
     "base_filler",
@@ -47,16 +49,17 @@ __all__ = [
 #: int64 words per chunk: 1 MiB, a multiple of the row (the fastest of 64 KiB to 1 MiB measured:
 #: smaller chunks pay numpy's per-call cost more often).
 CHUNK_WORDS = 1 << 17
+_ROW_BYTES = 8 * ROW_WORDS
 #: Below this fraction of differing 8-byte words numpy's branchy ``nonzero`` is cheaper.
 _PAD_FROM = 0.03
 _EMPTY_INDEX = np.empty(0, dtype=np.int64)
 _EMPTY_VALUES = np.empty(0, dtype=np.int16)
 
 Changes = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: Byte ranges of a bucket in order, each with the base's int64 words to copy, or None to fill.
+Runs = list[tuple[int, int, np.ndarray | None]]
 #: A base bucket as (byte offset, flat uint8 host tensor) pieces; bytes no piece covers are zero.
 BasePieces = Sequence[tuple[int, torch.Tensor]]
-#: Fills bytes [start, end) of the bucket being rebuilt from its base.
-Filler = Callable[[int, int], None]
 
 
 def native_codec() -> bool:
@@ -86,6 +89,14 @@ def _shares(words: int, chunk: int = CHUNK_WORDS) -> tuple[list[tuple[int, int]]
     return chunks, max(1, min(default_copy_threads(), len(chunks)))
 
 
+def _even_shares(words: int) -> list[tuple[int, int]]:
+    """A bucket of `words` int64 words as one contiguous share of whole rows per copy thread:
+    what the compiled loops take, one call each (they stream the rows themselves)."""
+    rows = -(-words // ROW_WORDS)
+    per = -(-rows // max(1, min(default_copy_threads(), rows))) * ROW_WORDS
+    return [(lo, min(lo + per, words)) for lo in range(0, words, per)]
+
+
 def _scan_chunk(cur: np.ndarray, base: np.ndarray, lo: int, mask: np.ndarray, update: bool) -> Changes:
     """The changed 2-byte words of one chunk (their bucket indices, int64, and values, int16)
     and the chunk's row sums of `cur`; `base` takes the changes when `update`."""
@@ -113,76 +124,113 @@ def _scan_chunk(cur: np.ndarray, base: np.ndarray, lo: int, mask: np.ndarray, up
     return index, new16[fine], sums
 
 
-#: int64 words per chunk of the compiled sweep (8 MiB): it streams rows itself, so a chunk only
-#: bounds its output buffers; fewer calls save numba's per-call argument checks (~10 us).
-NATIVE_CHUNK_WORDS = 1 << 20
-_scratch = threading.local()
+#: Scratch kept for the next sweep only while this small (2% changed of a 64 MiB bucket is
+#: ~4 MiB): a sweep that found most words changed gives its touched pages back.
+_KEEP_BYTES = 8 << 20
+_POOLED = 8
+Scratch = tuple[np.ndarray, np.ndarray]
+_pool: list[Scratch] = []
+_pool_lock = threading.Lock()
 
 
-def _native_buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """This thread's output buffers for the compiled sweep (a chunk's worst case, every word
-    changed: 24 MiB of address space, touched only as far as changes are written), reused."""
-    buffers = getattr(_scratch, "buffers", None)
-    if buffers is None:
-        lanes = 4 * NATIVE_CHUNK_WORDS
-        buffers = (np.empty(lanes, np.int32), np.empty(lanes, np.int16), np.empty(ROW_WORDS, np.int64))
-        _scratch.buffers = buffers
-    return buffers
+def _take(lanes: int) -> Scratch:
+    """Output buffers for `lanes` changes (index int32, values int16): pooled, as their touched
+    pages cost page faults on every fresh allocation (measured 0.2x a memcpy of the model)."""
+    with _pool_lock:
+        for i, (index, _) in enumerate(_pool):
+            if index.size >= lanes:
+                return _pool.pop(i)
+    return np.empty(lanes, np.int32), np.empty(lanes, np.int16)
 
 
-def _native_scan(compiled: Kernels, cur: np.ndarray, base: np.ndarray, lo: int, update: bool) -> Changes:
-    """`_scan_chunk`'s result for the chunk at word `lo`, its whole rows by the compiled loop
-    (indices as int32: a delta's bucket has fewer than 2**31 words)."""
-    index_out, values_out, coarse = _native_buffers()
+def _give(scratch: Scratch, used: int) -> None:
+    if 6 * used <= _KEEP_BYTES:
+        with _pool_lock:
+            if len(_pool) < _POOLED:
+                _pool.append(scratch)
+
+
+def _native_scan(
+    compiled: Kernels, scratch: Scratch, cur: np.ndarray, base: np.ndarray, lo: int, update: bool
+) -> tuple[list[Changes], int]:
+    """`_scan_chunk`'s result for the share at word `lo` (its whole rows by the compiled loop
+    into `scratch`, views returned; indices as int32: a delta's bucket has fewer than 2**31
+    words), a partial last row as a piece of its own, and the scratch lanes written."""
+    index_out, values_out = scratch
     whole = cur.size // ROW_WORDS * ROW_WORDS
     sums = np.empty(whole // ROW_WORDS, dtype=np.int64)
-    count = compiled.scan_rows(cur[:whole], base[:whole], update, 4 * lo, index_out, values_out, sums, coarse)
-    index, values = index_out[:count].copy(), values_out[:count].copy()  # the buffers are reused
-    if whole == cur.size:
-        return index, values, sums
-    tail = cur.size - whole
-    mask = np.empty(tail + tail // 8 + 1, dtype=np.bool_)
-    t_index, t_values, t_sums = _scan_chunk(cur[whole:], base[whole:], lo + whole, mask, update)
-    return np.append(index, t_index), np.append(values, t_values), np.append(sums, t_sums)
+    count = compiled.scan_rows(cur[:whole], base[:whole], update, 4 * lo, index_out, values_out, sums)
+    pieces = [(index_out[:count], values_out[:count], sums)]
+    if whole < cur.size:
+        tail = cur.size - whole
+        mask = np.empty(tail + tail // 8 + 1, dtype=np.bool_)
+        pieces.append(_scan_chunk(cur[whole:], base[whole:], lo + whole, mask, update))
+    return pieces, count
 
 
-def scan_changes(cur: np.ndarray, base: np.ndarray, update: bool) -> list[Changes]:
-    """Per chunk of `cur` against `base` (int64 words of one bucket): what `_scan_chunk` gives."""
+@contextlib.contextmanager
+def scan_changes(cur: np.ndarray, base: np.ndarray, update: bool) -> Iterator[list[Changes]]:
+    """Pieces of `cur` against `base` (int64 words of one bucket) in order, as `_scan_chunk`
+    gives them; valid inside the ``with`` only (compiled, they are views of pooled scratch,
+    written into the payload without a copy of their own)."""
     compiled = kernels()
-    chunk = CHUNK_WORDS
-    if compiled is not None:  # as few calls as fill the copy threads, whole rows each
-        rows = -(-cur.size // (default_copy_threads() * ROW_WORDS))
-        chunk = max(ROW_WORDS, min(NATIVE_CHUNK_WORDS, rows * ROW_WORDS))
-    chunks, threads = _shares(cur.size, chunk)
+    if compiled is None:
+        chunks, threads = _shares(cur.size)
 
-    def share(t: int) -> list[Changes]:
-        if compiled is not None:
-            return [
-                _native_scan(compiled, cur[lo:hi], base[lo:hi], lo, update) for lo, hi in chunks[t::threads]
-            ]
-        mask = np.empty(CHUNK_WORDS + CHUNK_WORDS // 8, dtype=np.bool_)
-        return [_scan_chunk(cur[lo:hi], base[lo:hi], lo, mask, update) for lo, hi in chunks[t::threads]]
+        def numpy_share(t: int) -> list[Changes]:
+            mask = np.empty(CHUNK_WORDS + CHUNK_WORDS // 8, dtype=np.bool_)
+            return [_scan_chunk(cur[lo:hi], base[lo:hi], lo, mask, update) for lo, hi in chunks[t::threads]]
 
-    per_thread = map_threads(share, threads)
-    return [per_thread[i % threads][i // threads] for i in range(len(chunks))]
+        per_thread = map_threads(numpy_share, threads)
+        yield [per_thread[i % threads][i // threads] for i in range(len(chunks))]
+        return
+    shares = _even_shares(cur.size)
+    taken: list[tuple[Scratch, int]] = []
+
+    def native_share(t: int) -> list[Changes]:
+        lo, hi = shares[t]
+        scratch = _take(4 * (hi - lo))
+        try:
+            pieces, used = _native_scan(compiled, scratch, cur[lo:hi], base[lo:hi], lo, update)
+        except BaseException:
+            _give(scratch, 0)
+            raise
+        taken.append((scratch, used))
+        return pieces
+
+    try:
+        yield [piece for pieces in map_threads(native_share, len(shares)) for piece in pieces]
+    finally:
+        for scratch, used in taken:
+            _give(scratch, used)
 
 
 _DISORDER = "sparse delta's word indices are not increasing inside the bucket"
 
 
 def _apply_chunk(
-    compiled: Kernels | None, out: np.ndarray, lo: int, index: np.ndarray, values: np.ndarray
+    compiled: Kernels | None,
+    out: np.ndarray,
+    source: np.ndarray | None,
+    lo: int,
+    index: np.ndarray,
+    values: np.ndarray,
 ) -> np.ndarray:
     """Write one chunk's changes (`index` in bucket numbering, for the chunk at word `lo`) into
-    `out` (the chunk's int64 words) and return its row sums, read while in cache. Indices out of
-    order or outside the chunk are a `MetadataError`, found before numpy writes any."""
+    `out` (the chunk's int64 words, copied from `source` first when given) and return its row
+    sums, read while in cache. Indices out of order or outside the chunk are a `MetadataError`,
+    found before numpy writes any."""
     whole = out.size // ROW_WORDS * ROW_WORDS if compiled is not None else 0
     sums = np.empty(whole // ROW_WORDS, dtype=np.int64)
     done = 0
     if compiled is not None and whole:
-        done = int(np.searchsorted(index, 4 * (lo + whole)))
-        if compiled.apply_rows(out[:whole], 4 * lo, index[:done], values[:done], sums) < 0:
+        done = int(np.searchsorted(index, index.dtype.type(4 * (lo + whole))))
+        src, copy = (out, False) if source is None else (source, True)
+        changes = index[:done], values[:done]
+        if compiled.rebuild_rows(out[:whole], src[:whole], copy, 4 * lo, *changes, sums) < 0:
             raise MetadataError(_DISORDER)
+    if source is not None and whole < out.size:  # what the compiled loop did not copy
+        np.copyto(out[whole:], source[whole:])
     rest = index[done:]
     if rest.size:
         if int(rest[0]) < 4 * (lo + whole) or int(rest[-1]) >= 4 * (lo + out.size):
@@ -193,69 +241,131 @@ def _apply_chunk(
     return sums if whole == out.size else np.append(sums, row_sums(out[whole:]))
 
 
-def base_filler(pieces: BasePieces, out: np.ndarray) -> Filler:
-    """A `Filler` that writes `out` (the bucket's flat uint8 bytes) from `pieces`, zeros between
-    them. `MetadataError` for a piece that overlaps another or leaves the bucket."""
-    segments: list[tuple[int, int, np.ndarray | None]] = []
-    cursor = 0
-    for offset, piece in sorted(pieces, key=lambda p: p[0]):
-        size = int(piece.numel())
-        if offset < cursor or offset + size > out.size or piece.dtype != torch.uint8 or not piece.is_cpu:
-            raise MetadataError(
-                f"a base piece of {size} bytes at {offset} does not fit the {out.size}-byte bucket"
-            )
-        if offset > cursor:
-            segments.append((cursor, offset, None))
-        segments.append((offset, offset + size, piece.numpy()))
-        cursor = offset + size
-    if cursor < out.size:
-        segments.append((cursor, out.size, None))
-    starts = [s for s, _, _ in segments]
+class BaseFiller:
+    """Writes byte ranges of a bucket being rebuilt (`out`, flat uint8) from its base pieces,
+    zeros between them; `source` hands a range that one piece covers to the compiled rebuild,
+    which copies it in its own pass. `MetadataError` for a piece that overlaps another or
+    leaves the bucket."""
 
-    def fill(start: int, end: int) -> None:
-        i = max(0, bisect.bisect_right(starts, start) - 1)
-        while i < len(segments) and segments[i][0] < end:
-            lo, hi, source = segments[i]
+    def __init__(self, pieces: BasePieces, out: np.ndarray) -> None:
+        self._out = out
+        self._segments: list[tuple[int, int, np.ndarray | None]] = []
+        cursor = 0
+        for offset, piece in sorted(pieces, key=lambda p: p[0]):
+            size = int(piece.numel())
+            if offset < cursor or offset + size > out.size or piece.dtype != torch.uint8 or not piece.is_cpu:
+                raise MetadataError(
+                    f"a base piece of {size} bytes at {offset} does not fit the {out.size}-byte bucket"
+                )
+            if offset > cursor:
+                self._segments.append((cursor, offset, None))
+            self._segments.append((offset, offset + size, piece.numpy()))
+            cursor = offset + size
+        if cursor < out.size:
+            self._segments.append((cursor, out.size, None))
+        self._starts = [s for s, _, _ in self._segments]
+
+    def _first(self, start: int) -> int:
+        return max(0, bisect.bisect_right(self._starts, start) - 1)
+
+    def runs(self, start: int, end: int) -> Runs:
+        """Bytes [start, end) (whole digest rows but at the bucket's end) as runs in order:
+        (a, b, the base's int64 words) for whole rows inside one piece, which the compiled
+        rebuild copies in its own pass, and (a, b, None) for the rest, which `__call__` fills."""
+        runs: Runs = []
+        cursor = start
+        i = self._first(start)
+        while i < len(self._segments) and self._segments[i][0] < end:
+            lo, hi, piece = self._segments[i]
+            i += 1
+            a = -(-max(lo, start) // _ROW_BYTES) * _ROW_BYTES
+            b = end if hi >= end else hi // _ROW_BYTES * _ROW_BYTES
+            if piece is None or a >= b:
+                continue
+            if cursor < a:
+                runs.append((cursor, a, None))
+            runs.append((a, b, piece[a - lo : b - lo].view(np.int64)))
+            cursor = b
+        if cursor < end:
+            runs.append((cursor, end, None))
+        return runs
+
+    def __call__(self, start: int, end: int) -> None:
+        """Write bytes [start, end) of the bucket from the base."""
+        i = self._first(start)
+        while i < len(self._segments) and self._segments[i][0] < end:
+            lo, hi, piece = self._segments[i]
             a, b = max(lo, start), min(hi, end)
             if a < b:
-                if source is None:
-                    out[a:b] = 0
+                if piece is None:
+                    self._out[a:b] = 0
                 else:
-                    np.copyto(out[a:b], source[a - lo : b - lo])
+                    np.copyto(self._out[a:b], piece[a - lo : b - lo])
             i += 1
 
-    return fill
+
+def _filled_in_chunks(runs: Runs) -> Runs:
+    """`runs` with those to fill cut to a chunk at most: each is filled, then summed in cache."""
+    cut: Runs = []
+    step = 8 * CHUNK_WORDS
+    for a, b, source in runs:
+        if source is not None:
+            cut.append((a, b, source))
+        else:
+            cut.extend((x, min(x + step, b), None) for x in range(a, b, step))
+    return cut
+
+
+def base_filler(pieces: BasePieces, out: np.ndarray) -> BaseFiller:
+    """The `BaseFiller` of `out` (the bucket's flat uint8 bytes) from `pieces`."""
+    return BaseFiller(pieces, out)
 
 
 def apply_changes(
-    out: np.ndarray, index: np.ndarray, values: np.ndarray, fill: Filler | None = None
+    out: np.ndarray, index: np.ndarray, values: np.ndarray, fill: BaseFiller | None = None
 ) -> list[np.ndarray]:
     """Write `values` (int16) at the 2-byte words `index` (strictly increasing) of `out` (int64
     words of one bucket, holding the base) and return the row sums of the result per chunk
     (`digest_of_sums`): the changes and the check in one pass, a chunk at a time in cache. With
-    `fill` each chunk is first written from the base (`base_filler`) in the same pass.
+    `fill` each chunk is first written from the base (`base_filler`) in the same pass: by the
+    compiled rebuild where one base piece covers the chunk.
 
     `MetadataError` when `index` is out of order or outside `out` (then `out` may be written
     in part: it is a landing zone that nobody commits on an error).
     """
     if index.size != values.size:
         raise MetadataError(f"sparse delta has {index.size} indices and {values.size} values")
-    chunks, threads = _shares(out.size)
+    if 4 * out.size >= 2**31:  # word numbers beyond int32: searched as int64
+        index = index.astype(np.int64, copy=False)
     compiled = kernels()
-    bounds = np.searchsorted(index, [4 * lo for lo, _ in chunks] + [4 * out.size])
+    if compiled is not None:  # a call per run of rows: no chunks needed to stay in cache
+        chunks = _even_shares(out.size)
+        threads = len(chunks)
+    else:
+        chunks, threads = _shares(out.size)
+    edges = np.array([4 * lo for lo, _ in chunks] + [4 * out.size], dtype=index.dtype)
+    bounds = np.searchsorted(index, edges)
     # Each chunk checks its own share: in order and inside the chunk; the shares in order and
     # covering every index then make the whole index increasing and inside the bucket.
     if index.size and (bounds[0] != 0 or bounds[-1] != index.size or bool(np.any(np.diff(bounds) < 0))):
         raise MetadataError(f"{_DISORDER} (or names a word outside its {4 * out.size})")
 
-    def share(t: int) -> list[np.ndarray]:
+    def chunk_sums(lo: int, hi: int, index: np.ndarray, values: np.ndarray) -> np.ndarray:
+        runs = _filled_in_chunks(fill.runs(8 * lo, 8 * hi)) if fill is not None else [(8 * lo, 8 * hi, None)]
+        edges = np.searchsorted(index, np.array([a // 2 for a, _, _ in runs[1:]], dtype=index.dtype))
+        cuts = [0, *edges.tolist(), index.size]
         sums = []
-        for c in range(t, len(chunks), threads):
-            (lo, hi), (i, j) = chunks[c], (bounds[c], bounds[c + 1])
-            if fill is not None:
-                fill(8 * lo, 8 * hi)
-            sums.append(_apply_chunk(compiled, out[lo:hi], lo, index[i:j], values[i:j]))
-        return sums
+        for (a, b, source), i, j in zip(runs, cuts, cuts[1:], strict=False):
+            if fill is not None and source is None:
+                fill(a, b)
+            sums.append(_apply_chunk(compiled, out[a // 8 : b // 8], source, a // 8, index[i:j], values[i:j]))
+        return sums[0] if len(sums) == 1 else np.concatenate(sums)
+
+    def share(t: int) -> list[np.ndarray]:
+        return [
+            chunk_sums(*chunks[c], index[bounds[c] : bounds[c + 1]], values[bounds[c] : bounds[c + 1]])
+            for c in range(t, len(chunks), threads)
+        ]
 
     per_thread = map_threads(share, threads)
     return [per_thread[i % threads][i // threads] for i in range(len(chunks))]
