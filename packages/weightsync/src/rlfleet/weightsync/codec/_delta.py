@@ -24,7 +24,7 @@ swapped within a row keep its sum: a reordering, which no failure here produces)
 
 On the host the sender sweeps a bucket once, in cache-sized chunks shared among the copy
 threads (`_delta_scan`): compare, refine, update its base and sum the digest rows per chunk; a
-receiver writes each chunk's changes and sums its rows in one pass the same way.
+receiver copies its base, writes the changes and sums its rows in one pass the same way.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def apply_delta_digest(
     kind: str, payload: torch.Tensor, out: torch.Tensor, base: BasePieces | None = None
 ) -> tuple[int, int]:
     """`apply_delta`, and the `bucket_digest` of the result: on the host summed in the same pass,
-    each chunk while its changes are in cache. With `base` (``DeltaBase.base_pieces``, host
-    tensors) each chunk of `out` is first filled from the base in that pass: no separate copy."""
+    each row while its changes are in cache. With `base` (``DeltaBase.base_pieces``, host
+    tensors) each row of `out` is first copied from the base in that pass: no separate copy."""
     count, sums = _apply(kind, payload, out, base)
     return count, (digest_of_sums(sums) if sums is not None else bucket_digest(out))

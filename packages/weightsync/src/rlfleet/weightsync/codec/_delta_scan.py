@@ -13,10 +13,10 @@ of the 2-byte words changed, ~8% of the 8-byte words differ, so the 8-byte mask 
 set entries (an eighth of its length) to take the branchless loop, and the padding's hits are
 dropped.
 
-With numba installed both passes run compiled loops per 4 KiB row instead (`_delta_kernels`):
-the sender's in one call per copy thread (8 MiB at most), a receiver's per 1 MiB chunk, filled
-from the consumer's base pieces in the same pass when it offers them; the bytes and the
-digests are the same.
+With numba installed both passes run compiled loops per 4 KiB row instead (`_delta_kernels`),
+one call per copy thread over a contiguous share of the bucket: the sender's writes into pooled
+scratch that the payload is written from, a receiver's copies each run of rows one base piece
+covers (the consumer's `base_pieces`) in the same pass; the bytes and the digests are the same.
 """
 
 from __future__ import annotations
@@ -327,8 +327,8 @@ def apply_changes(
     """Write `values` (int16) at the 2-byte words `index` (strictly increasing) of `out` (int64
     words of one bucket, holding the base) and return the row sums of the result per chunk
     (`digest_of_sums`): the changes and the check in one pass, a chunk at a time in cache. With
-    `fill` each chunk is first written from the base (`base_filler`) in the same pass: by the
-    compiled rebuild where one base piece covers the chunk.
+    `fill` each chunk is first written from the base (`base_filler`) in the same pass: copied
+    by the compiled rebuild row by row where one base piece covers the rows.
 
     `MetadataError` when `index` is out of order or outside `out` (then `out` may be written
     in part: it is a landing zone that nobody commits on an error).
