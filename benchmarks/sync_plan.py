@@ -7,7 +7,8 @@ Cluster: 4 raylets on this machine (node0..node3). Workers: trainer t0 on node0,
 rollout workers on node2 and node3 (and, for the seed comparison, one beside t0 on node0). The
 cost model is calibrated once (`PolicyGroup.calibrate`: probes of the control round trip, host
 copies, per-tensor and per-bucket costs and the broadcast rate, then one fit over real syncs of
-two calibration groups, one sender and two) and predicts every shape below; nothing is tuned
+three calibration groups: one sender to 4 and to 2 workers, and two senders) and predicts every
+shape below; nothing is tuned
 per shape.
 
 Shapes (each a `PolicyGroup` executing placement's `plan_sync`, timed by its `SyncReport`):
@@ -175,18 +176,21 @@ class Bench:
         return {"name": name, "measured": measured, "predicted": predicted, "matched": matched, **whole}
 
     def calibrate(self) -> None:
-        """One calibration for every shape: probes, then one fit over the syncs of two groups of
-        their own on this cluster, one sender and two (Double; node buffers beside trainers,
-        broadcasts to the other nodes)."""
-        one = self.group(self.config("Double"), ["t0"], ["rm", "r0", "r1", "r2"])
+        """One calibration for every shape: probes, then one fit over the syncs of three groups of
+        their own on this cluster: one sender to 4 workers and to 2 (two fan-outs separate a
+        per-receiver cost from a per-sync one), and two senders (Double; node buffers beside
+        trainers, broadcasts to the other nodes)."""
         pairs = []
-        try:
-            for _ in range(self.reps):
-                one.train(None)
-                report = one.sync_weights()
-                pairs.append((report, one.sync_plan))
-        finally:
-            one.shutdown()
+        # two fan-outs of one sender: the fit tells a per-receiver cost from a per-sync one
+        for rollouts in (["rm", "r0", "r1", "r2"], ["r0", "r3"]):
+            one = self.group(self.config("Double"), ["t0"], rollouts)
+            try:
+                for _ in range(self.reps):
+                    one.train(None)
+                    report = one.sync_weights()
+                    pairs.append((report, one.sync_plan))
+            finally:
+                one.shutdown()
         two = self.group(self.config("Double"), ["t0", "t1"], ["rm", "r0", "r1", "r2"])
         try:
             self.cost = two.calibrate(syncs=self.reps, extra=pairs)
