@@ -19,10 +19,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["ROW_WORDS", "rebuild_rows", "scan_rows"]
+from rlfleet.weightsync.codec._delta_kernels import ROW_WORDS
 
-#: int64 words per digest row (4 KiB), as `_delta_kernels.ROW_WORDS`.
-ROW_WORDS = 512
+__all__ = ["rebuild_rows", "scan_rows"]
+
 _GROUP = 64  # words per difference mask: one bit each in a uint64
 
 
@@ -110,7 +110,8 @@ def _rebuild_rows(out: Any, src: Any, copy: bool, first: int, index: Any, values
         a = r * ROW_WORDS
         if r + 1 < rows:  # the next row, while this one's changes are written
             for d in range(a + ROW_WORDS, a + 2 * ROW_WORDS, 8):
-                prefetch(src, d)
+                if copy:
+                    prefetch(src, d)
                 prefetch(out, d)
         s = np.int64(0)
         if copy:
